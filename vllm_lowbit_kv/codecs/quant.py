@@ -1,0 +1,42 @@
+"""Uniform (min-max) quantization primitives with fp16 metadata.
+
+Scale and zero point are rounded to fp16 *before* the codes are computed, so
+the decoder sees exactly what the encoder used and every kernel can reproduce
+the codes bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def minmax_params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 (scale, zero) mapping [lo, hi] onto codes 0 .. 2**bits - 1."""
+    levels = (1 << bits) - 1
+    zero = lo.half()
+    scale = ((hi - zero.float()) / levels).clamp_min(0).half()
+    return scale, zero
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Round-to-nearest codes; a zero scale (constant group) codes everything as 0."""
+    s = scale.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.round((x - zero.float()) / safe).clamp_(0, (1 << bits) - 1)
+    return torch.where(s > 0, codes, torch.zeros_like(codes)).to(torch.uint8)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale.float() + zero.float()
+
+
+def minmax_quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max quantization with statistics reduced over ``dim``.
+
+    Returns (codes uint8 like x, scale fp16, zero fp16) with ``dim`` kept as size 1.
+    Error per element is at most half a step plus fp16 rounding of the metadata.
+    """
+    lo = x.amin(dim=dim, keepdim=True)
+    hi = x.amax(dim=dim, keepdim=True)
+    scale, zero = minmax_params(lo, hi, bits)
+    return quantize(x, scale, zero, bits), scale, zero

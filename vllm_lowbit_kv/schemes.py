@@ -1,0 +1,106 @@
+"""Named KV schemes: a key codec + a value codec + validated cache defaults.
+
+A scheme name is what users pass as ``--kv-cache-dtype``. Codec parameters
+(k, gamma, p, bits, ...) can be overridden per deployment with
+:meth:`KVScheme.with_params`; each override goes to the codec(s) whose
+constructor takes it, and unknown names are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from .codecs.base import BlockCodec, require
+from .codecs.kivi import KiviCodec
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """A codec class and its keyword arguments, built per (block_tokens, head_dim)."""
+
+    cls: type[BlockCodec]
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def accepts(self, name: str) -> bool:
+        return name in inspect.signature(self.cls.__init__).parameters and name not in (
+            "self", "block_tokens", "head_dim")
+
+    def build(self, block_tokens: int, head_dim: int) -> BlockCodec:
+        return self.cls(block_tokens, head_dim, **self.params)
+
+
+@dataclass(frozen=True)
+class KVScheme:
+    name: str
+    summary: str
+    key: CodecSpec
+    value: CodecSpec
+    block_tokens: int = 64
+    #: first tokens of every sequence kept in bf16 (attention sinks)
+    sink_tokens: int = 0
+
+    def codecs(self, head_dim: int, block_tokens: int | None = None) -> tuple[BlockCodec, BlockCodec]:
+        T = block_tokens or self.block_tokens
+        return self.key.build(T, head_dim), self.value.build(T, head_dim)
+
+    def effective_bits(self, head_dim: int, block_tokens: int | None = None) -> float:
+        """Bits per element over K and V together, every stored byte counted."""
+        k, v = self.codecs(head_dim, block_tokens)
+        return (k.effective_bits + v.effective_bits) / 2
+
+    @property
+    def uses_relevance(self) -> bool:
+        return self.key.cls.uses_relevance or self.value.cls.uses_relevance
+
+    def with_params(self, **overrides: Any) -> "KVScheme":
+        """A copy with codec parameters and cache defaults overridden, validated."""
+        cache_fields = {"block_tokens", "sink_tokens"}
+        scheme_kw = {k: v for k, v in overrides.items() if k in cache_fields}
+        key_p, value_p = dict(self.key.params), dict(self.value.params)
+        for name, val in overrides.items():
+            if name in cache_fields:
+                continue
+            hit = False
+            if self.key.accepts(name):
+                key_p[name], hit = val, True
+            if self.value.accepts(name):
+                value_p[name], hit = val, True
+            allowed = sorted(cache_fields | {p for s in (self.key, self.value)
+                                             for p in inspect.signature(s.cls.__init__).parameters
+                                             if s.accepts(p)})
+            require(hit, f"{self.name} parameter name", f"one of {allowed}", name)
+        new = dataclasses.replace(self, key=CodecSpec(self.key.cls, key_p),
+                                  value=CodecSpec(self.value.cls, value_p), **scheme_kw)
+        new.validate()
+        return new
+
+    def validate(self, head_dim: int = 64) -> None:
+        """Build both codecs once so that every parameter is range-checked."""
+        require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
+                "sink_tokens", "an int >= 0", self.sink_tokens)
+        self.codecs(head_dim)
+
+
+SCHEMES: dict[str, KVScheme] = {}
+
+
+def register(scheme: KVScheme) -> KVScheme:
+    scheme.validate()
+    SCHEMES[scheme.name] = scheme
+    return scheme
+
+
+def get_scheme(name: str) -> KVScheme:
+    require(name in SCHEMES, "kv_cache_dtype", f"one of {sorted(SCHEMES)}", name)
+    return SCHEMES[name]
+
+
+register(KVScheme("kivi2", "KIVI 2-bit: K per-channel, V per-token",
+                  CodecSpec(KiviCodec, {"bits": 2, "axis": "channel"}),
+                  CodecSpec(KiviCodec, {"bits": 2, "axis": "token"})))
+register(KVScheme("kivi4", "KIVI 4-bit: K per-channel, V per-token",
+                  CodecSpec(KiviCodec, {"bits": 4, "axis": "channel"}),
+                  CodecSpec(KiviCodec, {"bits": 4, "axis": "token"})))
