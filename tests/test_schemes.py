@@ -1,0 +1,47 @@
+import pytest
+
+from vllm_lowbit_kv.schemes import SCHEMES, get_scheme
+
+REQUIRED = ["vidkv", "vidkv_stp", "vidkv_k2v2", "kivi2", "kivi4", "quantile1", "dynamic4", "dynamic2"]
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_required_schemes_are_registered_and_build(name):
+    scheme = get_scheme(name)
+    k, v = scheme.codecs(head_dim=64)
+    assert k.block_tokens == v.block_tokens == scheme.block_tokens
+    assert 0 < scheme.effective_bits(64) < 16
+
+
+def test_vidkv_is_under_two_honest_bits_at_its_default_block():
+    assert get_scheme("vidkv").effective_bits(64) < 2.0
+
+
+def test_unknown_scheme_lists_valid_names():
+    with pytest.raises(ValueError, match="kv_cache_dtype.*kivi2"):
+        get_scheme("int3")
+
+
+def test_with_params_routes_and_validates():
+    s = get_scheme("kivi2").with_params(bits=4, block_tokens=32)
+    assert s.key.params["bits"] == s.value.params["bits"] == 4 and s.block_tokens == 32
+    assert get_scheme("kivi2").key.params["bits"] == 2  # registry entry untouched
+    with pytest.raises(ValueError, match="parameter name"):
+        get_scheme("kivi2").with_params(gamma=0.5)
+    with pytest.raises(ValueError, match="bits"):
+        get_scheme("kivi2").with_params(bits=3)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        get_scheme("kivi2").with_params(sink_tokens=-1)
+
+
+@pytest.mark.parametrize("params,field", [
+    ({"k": 1.5}, "k"), ({"k": -0.1}, "k"), ({"gamma": 0.0}, "gamma"),
+    ({"protect": 1.0}, "protect"), ({"protect": -0.2}, "protect"), ({"block_tokens": 0}, "block_tokens")])
+def test_vidkv_invalid_params_name_the_field(params, field):
+    name = "vidkv_stp" if "protect" in params else "vidkv"
+    with pytest.raises(ValueError, match=field):
+        get_scheme(name).with_params(**params)
+
+
+def test_every_scheme_has_a_summary():
+    assert all(s.summary for s in SCHEMES.values())
