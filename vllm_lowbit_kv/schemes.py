@@ -15,6 +15,7 @@ from typing import Any
 
 from .codecs.base import BlockCodec, require
 from .codecs.kivi import KiviCodec
+from .codecs.vidkv import TernaryValueCodec, VidKVKeyCodec
 
 
 @dataclass(frozen=True)
@@ -53,21 +54,28 @@ class KVScheme:
 
     @property
     def uses_relevance(self) -> bool:
-        return self.key.cls.uses_relevance or self.value.cls.uses_relevance
+        """True when a codec protects tokens by relevance (STP), so callers supply scores."""
+        return any(c.uses_relevance for c in self.codecs(head_dim=64))
 
     def with_params(self, **overrides: Any) -> "KVScheme":
-        """A copy with codec parameters and cache defaults overridden, validated."""
+        """A copy with codec parameters and cache defaults overridden, validated.
+
+        A parameter goes to the codec(s) whose spec already sets it; if neither
+        does, to every codec that accepts it (e.g. ``protect`` on vidkv reaches
+        the value codec only, as in the paper's STP).
+        """
         cache_fields = {"block_tokens", "sink_tokens"}
         scheme_kw = {k: v for k, v in overrides.items() if k in cache_fields}
         key_p, value_p = dict(self.key.params), dict(self.value.params)
         for name, val in overrides.items():
             if name in cache_fields:
                 continue
-            hit = False
-            if self.key.accepts(name):
-                key_p[name], hit = val, True
-            if self.value.accepts(name):
-                value_p[name], hit = val, True
+            targets = [p for s, p in ((self.key, key_p), (self.value, value_p)) if name in s.params]
+            if not targets:
+                targets = [p for s, p in ((self.key, key_p), (self.value, value_p)) if s.accepts(name)]
+            for params in targets:
+                params[name] = val
+            hit = bool(targets)
             allowed = sorted(cache_fields | {p for s in (self.key, self.value)
                                              for p in inspect.signature(s.cls.__init__).parameters
                                              if s.accepts(p)})
@@ -104,3 +112,15 @@ register(KVScheme("kivi2", "KIVI 2-bit: K per-channel, V per-token",
 register(KVScheme("kivi4", "KIVI 4-bit: K per-channel, V per-token",
                   CodecSpec(KiviCodec, {"bits": 4, "axis": "channel"}),
                   CodecSpec(KiviCodec, {"bits": 4, "axis": "token"})))
+
+VIDKV_KEY = CodecSpec(VidKVKeyCodec, {"k": 0.5, "fft": True})
+VIDKV_VALUE = {"gamma": 0.7, "protect": 0.0}
+register(KVScheme("vidkv", "VidKV: K 1.5-bit (range-selected 2/1-bit, FFT), V ternary per-channel",
+                  VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE)))
+register(KVScheme("vidkv_stp", "VidKV with Semantic Token Protection: top 20% tokens of V at 2-bit",
+                  VIDKV_KEY, CodecSpec(TernaryValueCodec, {**VIDKV_VALUE, "protect": 0.2})))
+register(KVScheme("vidkv_k2v2", "VidKV Table 1 row: K and V both 2-bit per-channel",
+                  CodecSpec(KiviCodec, {"bits": 2, "axis": "channel"}),
+                  CodecSpec(KiviCodec, {"bits": 2, "axis": "channel"})))
+register(KVScheme("vidkv_k15v2", "VidKV Table 1 row: K 1.5-bit FFT, V 2-bit per-channel",
+                  VIDKV_KEY, CodecSpec(KiviCodec, {"bits": 2, "axis": "channel"})))

@@ -75,5 +75,6 @@ def to_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`to_bytes`."""
-    return b.contiguous().view(dtype)
+    """Inverse of :func:`to_bytes`. Copies through a flat buffer: a field split
+    out of a packed row (or an empty one) can have strides a dtype view rejects."""
+    return b.reshape(-1).clone().view(dtype).reshape(*b.shape[:-1], -1)
