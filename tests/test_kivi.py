@@ -50,7 +50,7 @@ def test_round_trip_shape_size_and_half_step_bound(x, bits, axis, dtype):
     dim = 0 if axis == "channel" else 2
     step = (xf.amax(dim, keepdim=True) - xf.amin(dim, keepdim=True)) / (2**bits - 1)
     # half a step, plus fp16 rounding of the stored scale and zero point
-        # (relative 2^-11, or absolute 2^-25 in the fp16 subnormal range)
+    # (relative 2^-11, or absolute 2^-25 in the fp16 subnormal range)
     slack = 2**-10 * (xf.abs().amax(dim, keepdim=True) + step * 2**bits) + 2**-24 * 2**bits
     assert bool(((yf - xf).abs() <= step / 2 + slack).all())
 
