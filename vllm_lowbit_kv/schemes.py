@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .codecs.base import BlockCodec, require
+from .codecs.dynamic import DynamicCodec
 from .codecs.kivi import KiviCodec
+from .codecs.quantile1 import QuantileCodec
 from .codecs.vidkv import TernaryValueCodec, VidKVKeyCodec
 
 
@@ -124,3 +126,12 @@ register(KVScheme("vidkv_k2v2", "VidKV Table 1 row: K and V both 2-bit per-chann
                   CodecSpec(KiviCodec, {"bits": 2, "axis": "channel"})))
 register(KVScheme("vidkv_k15v2", "VidKV Table 1 row: K 1.5-bit FFT, V 2-bit per-channel",
                   VIDKV_KEY, CodecSpec(KiviCodec, {"bits": 2, "axis": "channel"})))
+register(KVScheme("quantile1", "1-bit quantile range: K per-channel, V per-token (seed 003)",
+                  CodecSpec(QuantileCodec, {"bits": 1, "axis": "channel"}),
+                  CodecSpec(QuantileCodec, {"bits": 1, "axis": "token"})))
+for _bits in (4, 2):
+    register(KVScheme(f"dynamic{_bits}",
+                      f"Dynamic {_bits}-bit: K per-channel, V per-token normalized by EMA recorders, "
+                      "outlier-proportional fine groups (seed 004)",
+                      CodecSpec(DynamicCodec, {"bits": _bits, "axis": "channel"}),
+                      CodecSpec(DynamicCodec, {"bits": _bits, "axis": "token"})))

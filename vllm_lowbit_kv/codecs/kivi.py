@@ -35,7 +35,9 @@ class KiviCodec(BlockCodec):
     def __init__(self, block_tokens: int, head_dim: int, bits: int = 2,
                  axis: str = "channel", group_size: int | None = None):
         super().__init__(block_tokens, head_dim)
-        require(bits in (1, 2, 4, 8), "bits", "one of (1, 2, 4, 8)", bits)
+        # 1 bit is refused: its scale (max - min) can overflow fp16 at the input
+        # bound; the quantile codec covers 1 bit with stored range ends.
+        require(bits in (2, 4, 8), "bits", "one of (2, 4, 8)", bits)
         require(axis in AXES, "axis", f"one of {AXES}", axis)
         group_size = head_dim if group_size is None else group_size
         require(axis == "channel" or (group_size >= 1 and head_dim % group_size == 0),
