@@ -103,7 +103,7 @@ def test_kivi2_bits_are_honest():
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    ({"bits": 3}, "bits"), ({"axis": "head"}, "axis"),
+    ({"bits": 3}, "bits"), ({"bits": 1}, "bits"), ({"axis": "head"}, "axis"),
     ({"axis": "token", "group_size": 5}, "group_size"),
     ({"block_tokens": 0}, "block_tokens"), ({"head_dim": -1}, "head_dim")])
 def test_invalid_configuration_names_field(kwargs, field):

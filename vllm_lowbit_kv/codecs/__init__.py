@@ -1,6 +1,10 @@
-"""Block codecs: one reference implementation per KV method."""
+"""Block codecs: one reference implementation per KV method, each in a file named after it."""
 
 from .base import BlockCodec, Layout
+from .dynamic import DynamicCodec
 from .kivi import KiviCodec
+from .quantile1 import QuantileCodec
+from .vidkv import TernaryValueCodec, VidKVKeyCodec
 
-__all__ = ["BlockCodec", "Layout", "KiviCodec"]
+__all__ = ["BlockCodec", "Layout", "DynamicCodec", "KiviCodec", "QuantileCodec",
+           "TernaryValueCodec", "VidKVKeyCodec"]
