@@ -1,0 +1,1 @@
+"""Benchmarks: quality (``python -m bench.quality``), throughput, kernels; results/ holds outputs."""

@@ -1,0 +1,1 @@
+"""Serving: the vLLM OpenAI server launcher (``python -m serving``) and its configuration."""

@@ -1,0 +1,85 @@
+"""bench.quality end to end on a tiny random Llama with a byte-level tokenizer."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from bench import quality
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    model_dir = root / "tiny-llama"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=257, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=3, head_dim=64,
+                      max_position_embeddings=1024, eos_token_id=256, bos_token_id=256)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model_dir)
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = 256
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>").save_pretrained(model_dir)
+    rng = random.Random(0)
+    words = "the a council said on monday that police fire storm river new city people".split()
+    text = " ".join(" ".join(rng.choice(words) for _ in range(12)).capitalize() + "." for _ in range(150))
+    (root / "text.txt").write_text(text)
+    return model_dir, root / "text.txt", root
+
+
+def test_cli_writes_table_json_and_png(tiny, capsys):
+    model_dir, text, root = tiny
+    argv = ["--model", str(model_dir), "--text-file", str(text), "--kv-cache-dtype", "kivi2,kivi4",
+            "--json", str(root / "q.json"), "--png", str(root / "q.png"), "--max-tokens", "300",
+            "--chunk", "64", "--passkey-lengths", "256,512", "--passkey-trials", "1",
+            "--agreement-prompts", "4", "--agreement-prompt-tokens", "100", "--agreement-tokens", "6",
+            "--sink-tokens", "4", "--no-progress"]
+    quality.main(argv)
+    out = capsys.readouterr().out
+    assert "kivi2" in out and "PPL" in out
+    res = json.loads((root / "q.json").read_text())
+    for key in ("command", "model", "text", "settings", "rows"):
+        assert key in res
+    assert res["command"].startswith("python -m bench.quality ") and "--kv-cache-dtype kivi2,kivi4" in res["command"]
+    assert res["settings"]["chunk"] == 64 and res["settings"]["sink_tokens"] == 4
+    assert [r["scheme"] for r in res["rows"]] == ["bfloat16", "kivi2", "kivi4"]
+    for r in res["rows"]:
+        for key in ("scheme", "effective_bits", "ppl", "ppl_ratio_vs_bf16", "passkey_acc",
+                    "passkey_by_length", "agreement"):
+            assert key in r, key
+        assert set(r["passkey_by_length"]) == {"256", "512"}
+        assert len(r["passkey_details"]) == 2 * len(quality.DEPTHS)
+        assert all(d["prompt_tokens"] <= d["length"] - quality.PASSKEY_GEN_TOKENS for d in r["passkey_details"])
+        assert 0 <= r["agreement"] <= 6 and r["ppl"] > 1
+    ref, k2, k4 = res["rows"]
+    assert ref["effective_bits"] == 16 and ref["ppl_ratio_vs_bf16"] == 1 and ref["agreement"] == 6
+    assert k2["effective_bits"] < k4["effective_bits"] < 16
+    assert k2["kv_bytes_per_token"] < k4["kv_bytes_per_token"] < ref["kv_bytes_per_token"]
+    assert (root / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_refuses_bad_arguments(tiny):
+    model_dir, text, _ = tiny
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        quality.main(["--model", str(model_dir), "--text-file", str(text), "--kv-cache-dtype", "nope"])
+    with pytest.raises(SystemExit, match="positions"):
+        quality.main(["--model", str(model_dir), "--text-file", str(text), "--kv-cache-dtype", "kivi2",
+                      "--passkey-lengths", "4096", "--no-progress"])
+
+
+def test_module_help_runs():
+    r = subprocess.run([sys.executable, "-m", "bench.quality", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0
+    for flag in ("--kv-cache-dtype", "--text-file", "--json", "--png", "--max-tokens", "--chunk",
+                 "--passkey-lengths", "--engine", "--model", "--block-tokens", "--sink-tokens",
+                 "--passkey-trials"):
+        assert flag in r.stdout

@@ -1,0 +1,122 @@
+"""vLLM general plugin: our scheme names become ``--kv-cache-dtype`` values.
+
+Loaded by vLLM in every process (entry point group ``vllm.general_plugins``,
+see pyproject.toml) before argument parsing and before any model is built.
+:func:`register` is idempotent and does four things (docs/vllm_integration.md
+explains each hook):
+
+1. widens ``vllm.config.cache.CacheDType`` (a ``typing.Literal``) with the
+   names in :data:`vllm_lowbit_kv.schemes.SCHEMES`, on the ``CacheConfig``
+   dataclass field (argparse choices come from it) and in the pydantic
+   validators of ``CacheConfig``/``VllmConfig`` (rebuilt);
+2. maps each name to ``torch.uint8`` in ``STR_DTYPE_TO_TORCH_DTYPE`` (the
+   attention layer asks for the torch dtype of its cache);
+3. registers our backend as ``AttentionBackendEnum.LOWBIT_KV``;
+4. wraps ``CpuPlatform.get_attn_backend_cls`` so that our dtypes select that
+   backend (after checking the layer is one we can serve), while every other
+   dtype (auto, bfloat16, fp8, ...) goes to the untouched original.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal, get_args
+
+logger = logging.getLogger("vllm.lowbit_kv")
+
+BACKEND_NAME = "LOWBIT_KV"
+BACKEND_PATH = "vllm_lowbit_kv.vllm_backend.LowBitKVBackend"
+
+_registered = False
+
+
+def scheme_names() -> list[str]:
+    from .schemes import SCHEMES
+
+    return sorted(SCHEMES)
+
+
+def is_lowbit_dtype(kv_cache_dtype: object) -> bool:
+    return isinstance(kv_cache_dtype, str) and kv_cache_dtype in scheme_names()
+
+
+def _widen_cache_dtype(names: list[str]) -> None:
+    import vllm.config.cache as cache_mod
+    from pydantic.dataclasses import rebuild_dataclass
+
+    old = get_args(cache_mod.CacheDType)
+    new_args = tuple(old) + tuple(n for n in names if n not in old)
+    if new_args == tuple(old):
+        return
+    new_literal = Literal[new_args]  # type: ignore[valid-type]
+    cache_mod.CacheDType = new_literal
+    cls = cache_mod.CacheConfig
+    cls.__annotations__["cache_dtype"] = new_literal
+    cls.__dataclass_fields__["cache_dtype"].type = new_literal
+    rebuild_dataclass(cls, force=True)
+    # Modules that imported the name keep their own reference.
+    import vllm.v1.attention.selector as selector
+
+    selector.CacheDType = new_literal
+    # VllmConfig nests CacheConfig's schema; rebuild it so that validation of
+    # a whole config accepts the new names too.
+    from vllm.config.vllm import VllmConfig
+
+    rebuild_dataclass(VllmConfig, force=True)
+    # argparse kwargs are cached per config class.
+    from vllm.engine import arg_utils
+
+    arg_utils._compute_kwargs.cache_clear()
+
+
+def _register_torch_dtypes(names: list[str]) -> None:
+    import torch
+    from vllm.utils import torch_utils
+
+    for n in names:
+        torch_utils.STR_DTYPE_TO_TORCH_DTYPE.setdefault(n, torch.uint8)
+
+
+def _register_backend() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(BACKEND_NAME, BACKEND_PATH)
+
+
+def _patch_cpu_platform() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.get_attn_backend_cls
+    if getattr(original, "_lowbit_kv_wrapped", False):
+        return
+    orig_func = original.__func__
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if not is_lowbit_dtype(attn_selector_config.kv_cache_dtype):
+            return orig_func(cls, selected_backend, attn_selector_config, num_heads)
+        from .vllm_backend import check_servable
+
+        check_servable(attn_selector_config)
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        logger.info("kv_cache_dtype=%s: using the %s attention backend",
+                    attn_selector_config.kv_cache_dtype, BACKEND_NAME)
+        return AttentionBackendEnum[BACKEND_NAME].get_path()
+
+    get_attn_backend_cls._lowbit_kv_wrapped = True  # type: ignore[attr-defined]
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)  # type: ignore[assignment]
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    names = scheme_names()
+    _widen_cache_dtype(names)
+    _register_torch_dtypes(names)
+    _register_backend()
+    _patch_cpu_platform()
+    _registered = True
+    logger.debug("vllm_lowbit_kv plugin registered kv-cache dtypes %s", names)
