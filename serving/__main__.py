@@ -1,6 +1,7 @@
 """Start vLLM's OpenAI-compatible server with the low-bit KV plugin.
 
-    python -m serving [--model DIR] --kv-cache-dtype kivi2 --port 8000 [any vLLM server flag]
+    python -m serving [--model DIR] --kv-cache-dtype vidkv --port 8000 \\
+        [--lowbit-config FILE.json] [any vLLM server flag]
 
 Without ``--model`` (or a positional model) it serves the embedded SmolLM2
 (:func:`vllm_lowbit_kv.model.prepare_model`). It runs vLLM's own api_server
@@ -9,11 +10,21 @@ console script is broken (it looks up the distribution ``vllm``). The plugin
 itself is loaded by vLLM through the ``vllm.general_plugins`` entry point in
 every process; it is also registered here first so that the installed entry
 point is not required in this process.
+
+``--lowbit-config FILE.json`` (ours, not vLLM's) holds the scheme parameters
+(:class:`vllm_lowbit_kv.config.LowBitKVConfig`: ``{"protect": 0.25,
+"sink_tokens": 4, ...}``); it is validated here and passed on as vLLM's
+``--additional-config '{"lowbit_kv": {...}}'``, merged with any
+``--additional-config`` given too (whose ``lowbit_kv`` fields win).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+
+LOWBIT_FLAG = "--lowbit-config"
 
 
 def _has_model(argv: list[str]) -> bool:
@@ -23,10 +34,51 @@ def _has_model(argv: list[str]) -> bool:
     return bool(argv) and not argv[0].startswith("-")
 
 
+def _pop_flag(argv: list[str], flag: str) -> tuple[list[str], str | None]:
+    """Remove ``flag VALUE`` / ``flag=VALUE`` (last one wins) from argv."""
+    out, value, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == flag:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"python -m serving: {flag} needs a value")
+            value, i = argv[i + 1], i + 2
+            continue
+        if a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+        else:
+            out.append(a)
+        i += 1
+    return out, value
+
+
+def _merge_lowbit_config(argv: list[str]) -> list[str]:
+    from vllm_lowbit_kv.config import ADDITIONAL_CONFIG_KEY, LowBitKVConfig, LowBitKVConfigError, load_file
+
+    argv, path = _pop_flag(argv, LOWBIT_FLAG)
+    if path is None:
+        return argv
+    argv, extra = _pop_flag(argv, "--additional-config")
+    try:
+        additional = json.loads(extra) if extra else {}
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"python -m serving: --additional-config is not valid JSON ({e})")
+    if not isinstance(additional, dict):
+        raise SystemExit("python -m serving: --additional-config must be a JSON object")
+    try:
+        fields = {**load_file(path), **(additional.get(ADDITIONAL_CONFIG_KEY) or {})}
+        LowBitKVConfig.parse(fields)  # fail here, before vLLM starts, with the field named
+    except LowBitKVConfigError as e:
+        raise SystemExit(f"python -m serving: {e}")
+    additional[ADDITIONAL_CONFIG_KEY] = fields
+    return [*argv, "--additional-config", json.dumps(additional)]
+
+
 def build_argv(argv: list[str]) -> list[str]:
     argv = list(argv)
     if argv and not argv[0].startswith("-"):
         argv = ["--model", argv[0], *argv[1:]]
+    argv = _merge_lowbit_config(argv)
     if not _has_model(argv):
         from vllm_lowbit_kv.model import prepare_model
 
@@ -36,6 +88,7 @@ def build_argv(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = build_argv(sys.argv[1:] if argv is None else argv)
+    os.environ.pop("LOWBIT_KV_CONFIG_LOGGED", None)  # a fresh server logs its config once
     from vllm_lowbit_kv.vllm_plugin import register
 
     register()

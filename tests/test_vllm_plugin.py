@@ -1,9 +1,15 @@
-"""The vLLM plugin and backend: registration in-process, then one real server.
+"""The vLLM plugin and backend: registration in-process, then real servers.
 
-The server tests share one ``python -m serving --kv-cache-dtype kivi2`` server
-(session fixture, about 30 s to start on the embedded SmolLM2) run with
-chunked prefill (max_num_batched_tokens=256), so a long prompt's later chunks
-read the packed pages.
+The lowbit server tests share one ``python -m serving --kv-cache-dtype vidkv
+--lowbit-config ...`` server (session fixture, about 30 s to start on the
+embedded SmolLM2) configured to exercise everything at once: STP (``protect``
+0.2, relevance from the prefill queries), 4 bf16 sink tokens, layer 0 kept in
+bf16 (``skip_layers``), chunked prefill (max_num_batched_tokens=256, so a long
+prompt's later chunks read the packed pages), prefix caching (vLLM's default),
+and only 10 KV blocks (``--num-gpu-blocks-override``) so that concurrent
+requests get preempted. One module fixture starts two more short-lived
+servers side by side: ``--kv-cache-dtype auto`` through our launcher and stock
+vLLM (``VLLM_PLUGINS=none``), which must answer identically.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -88,9 +95,34 @@ def test_backend_selection_and_refusals(plugin):
         for kw, reason in [({"use_mla": True}, "MLA"),
                            ({"has_sliding_window": True}, "sliding-window"),
                            ({"attn_type": "encoder_decoder"}, "encoder"),
-                           ({"head_size": 2048}, "head_size")]:
+                           ({"head_size": 2048}, "head_dim 2048")]:
             with pytest.raises(ValueError, match=reason):
                 CpuPlatform.get_attn_backend_cls(None, _selector(**kw))
+
+
+def test_other_platforms_refuse_lowbit_dtypes(plugin, monkeypatch):
+    """No backend of ours exists off the CPU platform yet: refuse, never fall through."""
+    from types import SimpleNamespace
+
+    import vllm.platforms as platforms
+    from vllm.platforms.interface import Platform, PlatformEnum
+    from vllm_lowbit_kv.vllm_plugin import _refuse_other_platforms
+
+    class FakeCuda(Platform):
+        _enum = PlatformEnum.CUDA
+        seen: list = []
+
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            cls.seen.append(vllm_config.cache_config.cache_dtype)
+
+    monkeypatch.setattr(platforms, "_current_platform", FakeCuda())
+    _refuse_other_platforms()
+    cfg = lambda dt: SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=dt))  # noqa: E731
+    with pytest.raises(ValueError, match="CPU platform only"):
+        FakeCuda.check_and_update_config(cfg("vidkv"))
+    FakeCuda.check_and_update_config(cfg("fp8"))
+    assert FakeCuda.seen == ["fp8"]
 
 
 def test_spec_page_size_is_packed(plugin):
@@ -107,9 +139,22 @@ def test_spec_page_size_is_packed(plugin):
                              dtype=torch.bfloat16)
     eff = get_scheme("kivi2").effective_bits(HEAD_DIM)
     assert bf16.page_size_bytes / packed.page_size_bytes == pytest.approx(16 / eff)
+    assert packed.tokens_per_state == 64
+    # with sinks a state is a whole block per head: the sink area, then the groups
+    cfg = VllmConfig(cache_config=CacheConfig(cache_dtype="vidkv_stp"),
+                     additional_config={"lowbit_kv": {"sink_tokens": 4}})
+    with set_current_vllm_config(cfg):
+        spec = FullAttentionSpec(block_size=CPU_BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
+                                 dtype=torch.uint8)
+        sunk = LowBitKVBackend.customize_spec(spec)
+    kc, vc = get_scheme("vidkv_stp").codecs(HEAD_DIM)
+    state = -(-(kc.nbytes + vc.nbytes) // 4) * 4
+    assert sunk.tokens_per_state == CPU_BLOCK and sunk.num_states == 1
+    assert sunk.page_size_bytes == KV_HEADS * (2 * 4 * HEAD_DIM * 2 + 2 * state)
+    assert sunk.page_size_bytes % 4 == 0
 
 
-# --------------------------------------------------------------------------- server
+# --------------------------------------------------------------------------- servers
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -117,30 +162,66 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+COMMON = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4",
+          "--max-num-batched-tokens", "256", "--host", "127.0.0.1"]
+LOWBIT = {"protect": 0.2, "sink_tokens": 4, "skip_layers": [0]}
+NUM_BLOCKS = 10
+
+
+class _Server:
+    def __init__(self, cmd, log, env):
+        self.log = log
+        self.port = int(cmd[cmd.index("--port") + 1])
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def wait_ready(self, timeout=300):
+        deadline = time.time() + timeout
+        while "Application startup complete" not in self.log.read_text():
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                pytest.fail(f"server did not start:\n{self.log.read_text()[-4000:]}")
+            time.sleep(1)
+        return self
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def _start(tmp, name, args, stock=False, **env_extra):
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_SPACE_GIB), **env_extra)
+    env.pop("LOWBIT_KV_CONFIG_LOGGED", None)
+    port = str(_free_port())
+    if stock:
+        from vllm_lowbit_kv.model import prepare_model
+
+        env["VLLM_PLUGINS"] = "none"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(prepare_model()), "--port", port, *args]
+    else:
+        cmd = [sys.executable, "-m", "serving", "--port", port, *args]
+    return _Server(cmd, tmp / f"{name}.log", env)
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_SPACE_GIB), LOWBIT_KV_LOG_STAGING="1")
-    cmd = [sys.executable, "-m", "serving", "--kv-cache-dtype", "kivi2", "--port", str(port),
-           "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "8",
-           "--max-num-batched-tokens", "256"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    tmp = tmp_path_factory.mktemp("server")
+    cfg = tmp / "lowbit.json"
+    cfg.write_text(json.dumps(LOWBIT))
+    s = _start(tmp, "vidkv", ["--kv-cache-dtype", "vidkv", "--lowbit-config", str(cfg),
+                              "--num-gpu-blocks-override", str(NUM_BLOCKS), *COMMON],
+               LOWBIT_KV_LOG_STAGING="1")
     try:
-        deadline = time.time() + 240
-        while "Application startup complete" not in log.read_text():
-            if proc.poll() is not None or time.time() > deadline:
-                pytest.fail(f"server did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
-        yield port, log
+        yield s.wait_ready()
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        s.stop()
 
 
 def _model(port):
@@ -153,8 +234,17 @@ def _get(port, path):
     return json.loads(c.getresponse().read())
 
 
+def _metric(port, name) -> float:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode()
+    m = re.search(rf"^vllm:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert m, f"metric {name} not found"
+    return float(m.group(1))
+
+
 def _post(port, path, body, stream=False):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     c.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     r = c.getresponse()
     assert r.status == 200, r.read()
@@ -168,27 +258,52 @@ def _post(port, path, body, stream=False):
     return events
 
 
-def _long_prompt() -> str:
+def _long_prompt(i: int = 0, chars: int = 3000) -> str:
     corpus = Path(os.environ.get("VLLM_LOWBIT_KV_CACHE", Path.home() / ".cache/vllm-lowbit-kv"))
     p = corpus / "corpus" / "lee_background.txt"
     if p.is_file():
-        return " ".join(p.read_text().splitlines()[:6])[:3000] + "\n\nSummary:"
-    return "The quick brown fox jumps over the lazy dog. " * 60 + "\n\nSummary:"
+        lines = p.read_text().splitlines()
+        text = " ".join(lines[i * 6:(i + 1) * 6] + lines[:6])
+    else:
+        text = f"Story {i}. " + "The quick brown fox jumps over the lazy dog. " * 80
+    return text[:chars] + "\n\nSummary:"
+
+
+_STAGING = re.compile(r"freed \d+ staging slots of ended requests \((\d+) in use\)")
+
+
+def _wait_idle(server, timeout=60):
+    """Every block back in vLLM's free pool and every staging slot returned."""
+    deadline = time.time() + timeout
+    while True:
+        usage = _metric(server.port, "kv_cache_usage_perc")
+        staged = _STAGING.findall(server.log.read_text())
+        if usage == 0 and (not staged or staged[-1] == "0"):
+            return
+        assert time.time() < deadline, (usage, staged[-5:])
+        time.sleep(1)
+
+
+def _fluent(text: str, min_words: int = 15) -> bool:
+    words = text.split()
+    return len(words) > min_words and len(set(words)) > min_words // 2  # not a collapsed loop
 
 
 @pytest.mark.slow
-def test_kv_capacity_scales_with_bits(server):
-    _, log = server
-    m = re.search(r"KV cache size: ([\d,]+) tokens", log.read_text())
-    tokens = int(m.group(1).replace(",", ""))
-    bf16_tokens = KV_SPACE_GIB * 2**30 // (LAYERS * KV_HEADS * HEAD_DIM * 2 * 2)
-    eff = get_scheme("kivi2").effective_bits(HEAD_DIM)
-    assert tokens >= 0.9 * (16 / eff) * bf16_tokens, (tokens, bf16_tokens, eff)
+def test_config_logged_once_with_effective_bits(server):
+    log = server.log.read_text()
+    lines = [ln for ln in log.splitlines() if "lowbit-kv: --kv-cache-dtype vidkv" in ln]
+    assert len(lines) == 1, lines
+    assert "protect=0.2" in lines[0] and "sink_tokens=4" in lines[0] and "skip_layers=[0]" in lines[0]
+    assert "(STP relevance)" in lines[0] and "Effective bits/element" in lines[0]
+    # layer 0 gets vLLM's own bf16 attention, the other 29 our packed pages
+    assert re.search(r"lowbit-kv pages: \d+ bytes per block .*; 29 layers; staging: 4 slots", log)
+    assert "staging pool" not in log and "Traceback" not in log
 
 
 @pytest.mark.slow
 def test_completions_stream_and_not(server):
-    port, _ = server
+    port = server.port
     body = {"model": _model(port), "prompt": "The capital of France is Paris. The capital of Germany is",
             "max_tokens": 24, "temperature": 0}
     text = _post(port, "/v1/completions", body)["choices"][0]["text"]
@@ -199,7 +314,7 @@ def test_completions_stream_and_not(server):
 
 @pytest.mark.slow
 def test_chat_stream_and_not(server):
-    port, _ = server
+    port = server.port
     body = {"model": _model(port), "max_tokens": 20, "temperature": 0,
             "messages": [{"role": "user", "content": "What is 2+2? Answer briefly."}]}
     text = _post(port, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
@@ -210,28 +325,61 @@ def test_chat_stream_and_not(server):
 
 
 @pytest.mark.slow
-def test_long_prompt_reads_packed_pages(server):
-    """657 prompt tokens in chunks of 256: later chunks attend to quantized groups."""
-    port, _ = server
-    r = _post(port, "/v1/completions", {"model": _model(port), "prompt": _long_prompt(),
-                                        "max_tokens": 70, "temperature": 0})
+def test_long_prompt_reads_packed_pages_and_prefix_cache(server):
+    """~650 prompt tokens in chunks of 256: later chunks attend to quantized groups (STP
+    scores from the chunk's last queries); the second time, the prompt's full blocks
+    are prefix-cache hits, reused as packed bytes (sinks included)."""
+    port = server.port
+    body = {"model": _model(port), "prompt": _long_prompt(), "max_tokens": 40, "temperature": 0}
+    hits = _metric(port, "prefix_cache_hits_total")
+    r = _post(port, "/v1/completions", body)
     assert r["usage"]["prompt_tokens"] > 256 + 64
-    words = r["choices"][0]["text"].split()
-    assert len(words) > 20 and len(set(words)) > 10  # fluent text, not a collapsed loop
+    assert _fluent(r["choices"][0]["text"]), r["choices"][0]["text"]
+    r2 = _post(port, "/v1/completions", body)
+    assert _metric(port, "prefix_cache_hits_total") - hits >= 256
+    assert _fluent(r2["choices"][0]["text"]), r2["choices"][0]["text"]
+    _wait_idle(server)
 
 
 @pytest.mark.slow
-def test_aborted_requests_free_staging(server):
-    port, log = server
-    pat = re.compile(r"freed \d+ staging slots of ended requests \((\d+) in use\)")
-    before = len(pat.findall(log.read_text()))
-    model, prompt = _model(port), _long_prompt()[:1500]
+def test_preempted_requests_leave_nothing_behind(server):
+    """4 concurrent requests of 370 prompt tokens fit 3 blocks each at admission, then
+    each needs a 4th while decoding: 16 blocks of the 10 there are, so vLLM preempts
+    (frees the blocks, recomputes later). All finish fluently; blocks and staging slots
+    go back."""
+    port, model = server.port, _model(server.port)
+    before = _metric(port, "num_preemptions_total")
+    prompts = [_post(port, "/tokenize", {"model": model, "prompt": _long_prompt(i + 1)})["tokens"][:370]
+               for i in range(4)]
+    results = [None] * 4
+
+    def run(i):
+        results[i] = _post(port, "/v1/completions", {
+            "model": model, "prompt": prompts[i], "max_tokens": 30, "temperature": 0,
+            "ignore_eos": True})
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert _metric(port, "num_preemptions_total") > before
+    for r in results:
+        assert r is not None and r["usage"]["completion_tokens"] == 30
+        assert _fluent(r["choices"][0]["text"], 10), r["choices"][0]["text"]
+    _wait_idle(server)
+    assert "Traceback" not in server.log.read_text()
+
+
+@pytest.mark.slow
+def test_aborted_requests_leave_nothing_behind(server):
+    port, model = server.port, _model(server.port)
     conns = []
     for i in range(3):
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
         c.request("POST", "/v1/completions",
-                  json.dumps({"model": model, "prompt": f"{prompt} {i}", "max_tokens": 400,
-                              "temperature": 0, "stream": True}),
+                  json.dumps({"model": model, "prompt": _long_prompt(i + 5, chars=1500),
+                              "max_tokens": 400, "temperature": 0, "stream": True}),
                   {"Content-Type": "application/json"})
         conns.append(c)
     for c in conns:  # read a few tokens, then hang up: vLLM aborts the request
@@ -241,11 +389,36 @@ def test_aborted_requests_free_staging(server):
             if n >= 5:
                 break
         c.close()
-    deadline = time.time() + 60
-    while True:
-        frees = pat.findall(log.read_text())[before:]
-        if frees and frees[-1] == "0":
-            break
-        assert time.time() < deadline, frees
-        time.sleep(1)
-    assert "staging pool full" not in log.read_text()
+    _wait_idle(server)
+    assert _metric(port, "num_requests_running") == 0
+
+
+@pytest.fixture(scope="module")
+def auto_and_stock(tmp_path_factory):
+    """``--kv-cache-dtype auto`` through our launcher and stock vLLM, started side by side."""
+    tmp = tmp_path_factory.mktemp("auto")
+    servers = [_start(tmp, "auto", ["--kv-cache-dtype", "auto", *COMMON]),
+               _start(tmp, "stock", ["--kv-cache-dtype", "auto", *COMMON], stock=True)]
+    try:
+        yield [s.wait_ready() for s in servers]
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.mark.slow
+def test_auto_is_exactly_stock_vllm(auto_and_stock):
+    auto, stock = auto_and_stock
+    assert "using the LOWBIT_KV attention backend" not in auto.log.read_text()
+    requests = [
+        ("/v1/completions", {"prompt": _long_prompt(), "max_tokens": 32, "temperature": 0,
+                             "logprobs": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name three colors."}],
+                                  "max_tokens": 24, "temperature": 0, "logprobs": True,
+                                  "top_logprobs": 2}),
+    ]
+    for path, body in requests:
+        a = _post(auto.port, path, {"model": _model(auto.port), **body})
+        s = _post(stock.port, path, {"model": _model(stock.port), **body})
+        assert a["choices"] == s["choices"], path
+        assert a["usage"] == s["usage"]

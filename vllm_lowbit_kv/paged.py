@@ -1,28 +1,60 @@
-"""Packed paged KV layout, bf16 staging of partial groups, and reference attention.
+"""Packed paged KV layout, bf16 staging of partial groups, sinks, STP relevance, attention.
 
 Pure PyTorch; nothing here imports vLLM, so the layout and the attention math
 are tested alone (tests/test_paged.py) and reused by any engine.
 
 Terms
 -----
-group  ``T = codec.block_tokens`` consecutive tokens of one sequence: the unit a
-       codec encodes (per-channel statistics run over these T tokens).
+group  ``T = codec.block_tokens`` consecutive tokens of one sequence, starting at
+       a position multiple of T: the unit a codec encodes (per-channel
+       statistics run over these T tokens).
 block  vLLM's allocation unit of ``block_size`` tokens; ``block_size`` is a
        multiple of T, so a block holds ``N = block_size // T`` groups.
-page   the bytes of one block of one layer, viewed as ``uint8 [H, N, C]`` with
-       ``C = key_codec.nbytes + value_codec.nbytes``: for every KV head and every
-       group, the K codes+metadata followed by the V codes+metadata. A layer's
-       cache is ``uint8 [num_blocks, H, N, C]``.
+page   the bytes of one block of one layer, per KV head ``P = S + N * C`` bytes:
+       an optional sink area of ``S`` bytes, then for every group the K
+       codes+metadata followed by the V codes+metadata (``C = key_codec.nbytes +
+       value_codec.nbytes`` rounded up to 4 bytes). A layer's cache is ``uint8 [num_blocks, H, P]``
+       (vLLM views it as ``[num_blocks, H, N, C]`` when S = 0, else
+       ``[num_blocks, H, 1, P]``).
 gid    global group id ``= block_id * N + group_in_block``; a token in vLLM slot
        ``s`` (``= block_id * block_size + offset``) lies in group ``s // T`` at
        offset ``s % T``.
 
-A group is encoded into its page in the step that writes its last token
-(offset T-1). Until then its tokens live in bf16 in a *staging slot*: a fixed
-pool of ``num_slots`` slots per layer (sized once at start-up), handed out by
-:class:`StagingAllocator`. The allocator's bookkeeping is done once per step
-(for all layers) by :meth:`StagingAllocator.plan_writes`; each layer then
-applies the same :class:`WritePlan` to its own pages and staging buffers.
+Staging. A group is encoded into its page in the step that writes its last
+token (offset T-1). Until then its tokens live in the model dtype in a
+*staging slot*: a fixed pool of slots per layer (sized once at start-up),
+handed out by :class:`StagingAllocator`. A running request has at most one
+partial group (its last), so ``max_num_seqs`` slots always suffice: slots of
+groups completed in a step are returned before new groups take theirs, and the
+engine returns the slots of finished, aborted and preempted requests
+(:meth:`StagingAllocator.release_blocks`) before the next step is planned.
+Anything else (a group continuing without its staged tokens, an exhausted
+pool) is a bookkeeping bug and raises: never attend to made-up values.
+
+Sinks. With ``sink_tokens = s > 0`` (s <= T) the first s tokens of every
+sequence are also kept exactly, in the model dtype, in the sink area of the
+sequence's first block (every page carries the area, used only in a
+sequence's first block: that is what makes it survive prefix caching, where a
+cached first block is shared as bytes). The group holding them (group 0) is
+still encoded when it fills, with the sink rows replaced by the per-channel
+mean of its other rows so they do not stretch its statistics (and never win
+STP protection); reads take positions < s from the sink area.
+
+Relevance (STP). For codecs with ``uses_relevance``: the relevance of a token is
+the attention mass it receives from the *observation window*, the last
+``obs_window`` queries of its sequence up to the last token written in the step
+that completes its group: softmax over every key the sequence has (context as
+stored + fresh tokens exact, causal mask), summed over the window's queries and
+over the query heads sharing the KV head. This is the definition of
+:mod:`vllm_lowbit_kv.hf_cache` (forward = the request's chunk in this step).
+With ``obs_window <= T`` the window's queries from earlier steps always belong
+to the group being completed, so the staging slot keeps each staged token's
+query alongside its K and V.
+
+Each step: :meth:`StagingAllocator.plan_step` (once, for all layers) gives a
+:class:`ReadPlan` (each request's context, as stored before this step) and a
+:class:`WritePlan` (where the fresh tokens go); each layer then runs
+:func:`forward_layer`: attention (and relevance) first, writes second.
 """
 
 from __future__ import annotations
@@ -37,12 +69,17 @@ from .codecs.base import BlockCodec, require
 
 logger = logging.getLogger("vllm.lowbit_kv.paged")
 
+#: byte alignment of a group's state (and so of every page)
+STATE_ALIGN = 4
+#: relevance given to sink rows of group 0: below any attention mass (never protected)
+SINK_RELEVANCE = -1.0
+
 
 class PagedLayout:
     """Byte layout of a packed page and the codec calls that fill and read it."""
 
     def __init__(self, key_codec: BlockCodec, value_codec: BlockCodec, num_kv_heads: int,
-                 block_size: int):
+                 block_size: int, sink_tokens: int = 0, sink_dtype: torch.dtype = torch.bfloat16):
         T = key_codec.block_tokens
         require(value_codec.block_tokens == T, "value codec block_tokens",
                 f"equal to the key codec's ({T})", value_codec.block_tokens)
@@ -53,47 +90,104 @@ class PagedLayout:
                 block_size)
         require(isinstance(num_kv_heads, int) and num_kv_heads >= 1, "num_kv_heads",
                 "an int >= 1", num_kv_heads)
+        require(isinstance(sink_tokens, int) and 0 <= sink_tokens <= T, "sink_tokens",
+                f"an int in [0, block_tokens={T}] (the sinks live in a sequence's first group)",
+                sink_tokens)
         self.key_codec, self.value_codec = key_codec, value_codec
         self.T, self.D, self.H = T, key_codec.head_dim, num_kv_heads
         self.block_size = block_size
         self.groups_per_block = block_size // T
         self.k_bytes, self.v_bytes = key_codec.nbytes, value_codec.nbytes
-        self.state_bytes = self.k_bytes + self.v_bytes
+        #: K then V bytes of one group of one head, padded to a multiple of 4 bytes
+        #: (vLLM zeroes new blocks in 4-byte words and needs 4-byte page strides)
+        self.state_bytes = -(-(self.k_bytes + self.v_bytes) // STATE_ALIGN) * STATE_ALIGN
+        self.pad_bytes = self.state_bytes - self.k_bytes - self.v_bytes
+        self.sink_tokens, self.sink_dtype = sink_tokens, sink_dtype
+        self._elt = torch.empty(0, dtype=sink_dtype).element_size()
+        #: bytes of the sink area per head: K rows [s, D] then V rows [s, D]
+        self.sink_bytes = 2 * sink_tokens * self.D * self._elt
+        #: bytes of one block of one KV head
+        self.head_bytes = self.sink_bytes + self.groups_per_block * self.state_bytes
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one block of one layer (K and V of all heads, all groups)."""
-        return self.H * self.groups_per_block * self.state_bytes
+        """Bytes of one block of one layer (all heads: sink area and groups)."""
+        return self.H * self.head_bytes
 
     @property
     def bytes_per_token(self) -> float:
-        """Per layer, K and V together."""
+        """Per layer, K and V together, sink area included."""
         return self.page_bytes / self.block_size
 
-    def page_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
-        return (num_blocks, self.H, self.groups_per_block, self.state_bytes)
+    @property
+    def bits_per_element(self) -> float:
+        """Every byte of a page over the K and V elements of its tokens."""
+        return self.page_bytes * 8 / (self.block_size * self.H * self.D * 2)
+
+    def page_shape(self, num_blocks: int) -> tuple[int, int, int]:
+        return (num_blocks, self.H, self.head_bytes)
 
     # -- codec ----------------------------------------------------------------
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """K, V [G, T, H, D] -> uint8 states [G, H, C]."""
-        return torch.cat([self.key_codec.encode(k), self.value_codec.encode(v)], dim=-1)
+    def encode(self, k: torch.Tensor, v: torch.Tensor, relevance: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """K, V [G, T, H, D] (+ relevance [G, T, H]) -> uint8 states [G, H, C]."""
+        kb, vb = self.key_codec.encode(k, relevance), self.value_codec.encode(v, relevance)
+        parts = [kb, vb]
+        if self.pad_bytes:
+            parts.append(kb.new_zeros(*kb.shape[:-1], self.pad_bytes))
+        return torch.cat(parts, dim=-1)
 
     def decode(self, states: torch.Tensor, dtype: torch.dtype = torch.float32
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 states [G, H, C] -> K, V [G, T, H, D]."""
-        kb, vb = states.split([self.k_bytes, self.v_bytes], dim=-1)
+        kb, vb, _ = states.split([self.k_bytes, self.v_bytes, self.pad_bytes], dim=-1)
         return (self.key_codec.decode(kb.contiguous(), dtype),
                 self.value_codec.decode(vb.contiguous(), dtype))
 
     # -- page addressing --------------------------------------------------------
+    def _flat(self, pages: torch.Tensor) -> torch.Tensor:
+        """Any vLLM view of a layer's cache -> ``[B, H, P]`` sharing its memory."""
+        flat = pages.view(pages.shape[0], self.H, -1)  # raises rather than copy
+        require(flat.shape[-1] == self.head_bytes, "page bytes per head",
+                f"{self.head_bytes} (the layout's)", flat.shape[-1])
+        return flat
+
+    def _groups(self, pages: torch.Tensor) -> torch.Tensor:
+        """``[B, H, N, C]`` view of the group states."""
+        flat = self._flat(pages)
+        return flat[:, :, self.sink_bytes:].view(flat.shape[0], self.H, self.groups_per_block,
+                                                  self.state_bytes)
+
+    def _sinks(self, pages: torch.Tensor) -> torch.Tensor:
+        """``[B, 2, s, H, D * elt]`` byte view of the sink areas (K then V)."""
+        flat = self._flat(pages)
+        return (flat[:, :, :self.sink_bytes]
+                .view(flat.shape[0], self.H, 2, self.sink_tokens, self.D * self._elt)
+                .permute(0, 2, 3, 1, 4))
+
     def read_states(self, pages: torch.Tensor, gids: torch.Tensor) -> torch.Tensor:
-        """pages uint8 [B, H, N, C], gids [G] -> states [G, H, C]."""
+        """pages, gids [G] -> states [G, H, C]."""
         N = self.groups_per_block
-        return pages[gids // N, :, gids % N]
+        return self._groups(pages)[gids // N, :, gids % N]
 
     def write_states(self, pages: torch.Tensor, gids: torch.Tensor, states: torch.Tensor) -> None:
         N = self.groups_per_block
-        pages[gids // N, :, gids % N] = states
+        self._groups(pages)[gids // N, :, gids % N] = states
+
+    def write_sinks(self, pages: torch.Tensor, blocks: torch.Tensor, pos: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor) -> None:
+        """Tokens at positions ``pos`` (< sink_tokens) of sequences whose first block is
+        ``blocks``: K, V [n, H, D] -> the sink areas, in the model dtype."""
+        sv = self._sinks(pages)
+        to_bytes = lambda x: x.to(self.sink_dtype).contiguous().view(torch.uint8)  # noqa: E731
+        sv[blocks, 0, pos] = to_bytes(k)
+        sv[blocks, 1, pos] = to_bytes(v)
+
+    def read_sinks(self, pages: torch.Tensor, block: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` sink tokens of the sequence whose first block is ``block``:
+        K, V [n, H, D] float32."""
+        kv = self._sinks(pages)[block, :, :n].contiguous().view(self.sink_dtype)
+        return kv[0].float(), kv[1].float()
 
 
 @dataclass
@@ -113,6 +207,13 @@ class WritePlan:
     enc_tok: torch.Tensor  # fresh tokens of completed groups ...
     enc_row: torch.Tensor  # ... their row in [E] ...
     enc_off: torch.Tensor  # ... and their offset in the group
+    enc_req: torch.Tensor  # [E] request (row of the step) owning the group, -1: unknown
+    enc_start: torch.Tensor  # [E] position of the group's first token, -1: unknown
+    enc_sink: torch.Tensor  # [E] leading rows that are sink tokens (group 0), else 0
+    # fresh sink tokens -> sink area of their sequence's first block
+    sink_tok: torch.Tensor
+    sink_block: torch.Tensor
+    sink_pos: torch.Tensor
 
     @property
     def empty(self) -> bool:
@@ -121,16 +222,22 @@ class WritePlan:
 
 @dataclass
 class ReadPlan:
-    """What each request attends to besides its fresh tokens."""
+    """What each request attends to besides its fresh tokens: its context as stored
+    before this step's writes."""
 
     page_gids: torch.Tensor  # [G] encoded groups of all requests, request-major
     page_start: list[int]  # [R+1] request r's groups are page_gids[page_start[r]:page_start[r+1]]
     tail_slot: list[int]  # [R] staging slot holding the partial group in the context, -1: none
     ctx_len: list[int]  # [R] tokens before this step's fresh tokens
     q_start: list[int]  # [R+1] fresh tokens of request r: rows q_start[r]:q_start[r+1]
+    first_block: list[int]  # [R] the request's first block (sink area), -1: none
 
 
 _EMPTY = torch.empty(0, dtype=torch.long)
+
+
+def _empty_write_plan() -> WritePlan:
+    return WritePlan(*([_EMPTY] * 14))
 
 
 class StagingAllocator:
@@ -139,39 +246,32 @@ class StagingAllocator:
     A slot is taken when a group's first token is written and returned when its
     last token is written (the group is then encoded), or when the engine
     reports the request finished, aborted or preempted (:meth:`release_blocks`).
-    As a safety net, a group restarted at offset 0 by its block's next owner
-    reuses its stale slot, and a full pool reclaims the slot written least
-    recently (logged).
+    A group restarted at offset 0 whose gid still holds a slot (its block's
+    previous owner ended unreported) reuses that slot: the new owner writes
+    from offset 0 and reads only what it wrote (counted in ``stale_reused``).
+    A group continuing without staged tokens, or a full pool, raises.
     """
 
-    def __init__(self, num_slots: int, group_tokens: int):
+    def __init__(self, num_slots: int, group_tokens: int, sink_tokens: int = 0):
         require(isinstance(num_slots, int) and num_slots >= 1, "num_slots", "an int >= 1", num_slots)
-        self.num_slots, self.T = num_slots, group_tokens
+        self.num_slots, self.T, self.sink_tokens = num_slots, group_tokens, sink_tokens
         self.slot_of: dict[int, int] = {}
         self.gid_of = [-1] * num_slots
-        self.last_step = [0] * num_slots
         self.free = list(range(num_slots - 1, -1, -1))
-        self.step = 0
-        self.reclaimed = 0
+        self.stale_reused = 0
 
     @property
     def in_use(self) -> int:
         return self.num_slots - len(self.free)
 
-    def _take(self, gid: int, busy: set[int]) -> int:
-        if self.free:
-            slot = self.free.pop()
-        else:
-            cands = [s for s in range(self.num_slots) if s not in busy]
-            if not cands:
-                raise RuntimeError(
-                    f"lowbit-kv staging pool exhausted: {self.num_slots} slots all used by "
-                    "this step; raise the staging size or lower max_num_seqs")
-            slot = min(cands, key=lambda s: self.last_step[s])
-            self.slot_of.pop(self.gid_of[slot], None)
-            self.reclaimed += 1
-            logger.warning("lowbit-kv: staging pool full, reclaimed slot %d (group %d, idle %d steps)",
-                           slot, self.gid_of[slot], self.step - self.last_step[slot])
+    def _take(self, gid: int) -> int:
+        if not self.free:
+            raise RuntimeError(
+                f"lowbit-kv: staging pool exhausted ({self.num_slots} slots, one per running "
+                f"request): groups {sorted(self.slot_of)[:8]}... hold them. More partial groups "
+                "than running requests means ended requests were not released; refusing to "
+                "overwrite staged tokens")
+        slot = self.free.pop()
         self.slot_of[gid] = slot
         self.gid_of[slot] = gid
         return slot
@@ -185,8 +285,8 @@ class StagingAllocator:
     def release_blocks(self, block_ids, groups_per_block: int) -> int:
         """Free the slots of every staged group in these blocks (their request ended).
 
-        Call before the step's :meth:`plan_writes`; safe for blocks already handed
-        to a new owner, whose writes only start in that step, at offset 0.
+        Call before the step is planned; safe for blocks already handed to a new
+        owner, whose writes only start in that step, at offset 0.
         """
         freed = 0
         for b in block_ids:
@@ -196,14 +296,65 @@ class StagingAllocator:
                     freed += 1
         return freed
 
-    def plan_writes(self, slot_mapping: torch.Tensor) -> WritePlan:
-        """Plan one step's writes from vLLM's per-token slot mapping (CPU, -1 = padding)."""
-        self.step += 1
+    # -- one step ---------------------------------------------------------------
+    def plan_step(self, slot_mapping: torch.Tensor, seq_lens: list[int], query_start: list[int],
+                  block_table: torch.Tensor, groups_per_block: int) -> tuple[WritePlan, ReadPlan]:
+        """Plan one step: the context each request reads (as stored before the step),
+        then where the fresh tokens go. ``slot_mapping`` [tokens] (-1 = padding),
+        ``seq_lens`` [R], ``query_start`` [R+1], ``block_table`` [R, max_blocks]."""
+        read = self.plan_reads(seq_lens, query_start, block_table, groups_per_block)
+        n = query_start[-1]
+        q_len = torch.tensor(query_start[1:]) - torch.tensor(query_start[:-1])
+        req = torch.repeat_interleave(torch.arange(len(seq_lens)), q_len)
+        ctx = torch.tensor(read.ctx_len, dtype=torch.long)
+        positions = ctx[req] + torch.arange(n) - torch.tensor(query_start[:-1])[req]
+        write = self.plan_writes(slot_mapping[:n], positions=positions, req=req,
+                                 first_block=torch.tensor(read.first_block, dtype=torch.long))
+        return write, read
+
+    def plan_reads(self, seq_lens: list[int], query_start: list[int], block_table: torch.Tensor,
+                   groups_per_block: int) -> ReadPlan:
+        """The context of every request as stored *before* this step's writes: its
+        complete groups from the pages, its partial group from its staging slot.
+        Call before :meth:`plan_writes` of the same step."""
+        T, N = self.T, groups_per_block
+        gids, page_start, tail, ctx_lens, first = [], [0], [], [], []
+        bt = block_table.to("cpu")
+        for r, L in enumerate(seq_lens):
+            ctx = L - (query_start[r + 1] - query_start[r])
+            n_enc, part = divmod(ctx, T)
+            first.append(int(bt[r, 0]) if L > 0 else -1)
+            if n_enc:
+                g = torch.arange(n_enc)
+                gids.append(bt[r, g // N].long() * N + g % N)
+            slot = -1
+            if part:
+                gid = int(bt[r, n_enc // N]) * N + n_enc % N
+                slot = self.slot_of.get(gid, -1)
+                if slot < 0:
+                    raise RuntimeError(
+                        f"lowbit-kv: request row {r} has {part} context tokens in group {gid} "
+                        "but no staging slot holds them (released or never written); refusing "
+                        "to attend to missing tokens")
+            tail.append(slot)
+            page_start.append(page_start[-1] + n_enc)
+            ctx_lens.append(ctx)
+        page_gids = torch.cat(gids) if gids else _EMPTY
+        return ReadPlan(page_gids, page_start, tail, ctx_lens, list(query_start), first)
+
+    def plan_writes(self, slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
+                    req: torch.Tensor | None = None, first_block: torch.Tensor | None = None
+                    ) -> WritePlan:
+        """Plan one step's writes from vLLM's per-token slot mapping (CPU, -1 = padding).
+
+        ``positions``/``req`` (per token: position in its sequence, request row) and
+        ``first_block`` (per request) are needed for sinks and relevance.
+        """
         T = self.T
         sm = slot_mapping.to("cpu", torch.long)
         tok = torch.nonzero(sm >= 0).flatten()
         if tok.numel() == 0:
-            return WritePlan(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+            return _empty_write_plan()
         slots = sm[tok]
         gid, off = slots // T, slots % T
         ugid, inv = torch.unique(gid, return_inverse=True)
@@ -215,77 +366,95 @@ class StagingAllocator:
 
         slot_for = [-1] * n  # staging slot of incomplete groups
         src_for = [-1] * n  # earlier tokens of completed groups
-        busy: set[int] = set()
-        # Continuing groups first: they own their slots already.
         for i in range(n):
-            if mins[i] > 0:
+            if mins[i] > 0:  # continues a group: its earlier tokens must be staged
                 s = self.slot_of.get(ug[i], -1)
                 if s < 0:
-                    logger.warning("lowbit-kv: group %d continues at offset %d but has no staged "
-                                   "tokens (reclaimed or never written); they count as zeros",
-                                   ug[i], mins[i])
+                    raise RuntimeError(
+                        f"lowbit-kv: group {ug[i]} continues at offset {mins[i]} but no staging "
+                        "slot holds its earlier tokens (released or never written); refusing to "
+                        "encode or attend to missing tokens")
                 if complete[i]:
                     src_for[i] = s
-                elif s >= 0:
+                else:
                     slot_for[i] = s
-                if s >= 0:
-                    busy.add(s)
-        for i in range(n):
-            if complete[i] or slot_for[i] >= 0:
-                continue
-            # A group (re)starting at offset 0 reuses a stale slot of the same gid.
-            s = self.slot_of.get(ug[i], -1) if mins[i] == 0 else -1
-            if s < 0:
-                s = self._take(ug[i], busy)
-            slot_for[i] = s
-            busy.add(s)
+        # Completed groups return their slots first (apply_writes encodes them from
+        # the slots before staging anything), so one slot per request suffices.
         for i in range(n):
             if complete[i]:
                 self._release(ug[i])
+        for i in range(n):
+            if complete[i] or slot_for[i] >= 0:
+                continue
+            s = self.slot_of.get(ug[i], -1)  # mins == 0 here
+            if s >= 0:
+                self.stale_reused += 1
+                logger.warning("lowbit-kv: group %d restarts at offset 0 while holding slot %d "
+                               "(its previous owner ended unreported); reusing the slot", ug[i], s)
             else:
-                self.last_step[slot_for[i]] = self.step
+                s = self._take(ug[i])
+            slot_for[i] = s
 
         comp = torch.tensor(complete, dtype=torch.bool)
         tok_comp = comp[inv]
         slot_t = torch.tensor(slot_for, dtype=torch.long)
-        # rows of completed groups, in ugid order
-        row_of = torch.cumsum(comp.long(), 0) - 1
+        row_of = torch.cumsum(comp.long(), 0) - 1  # rows of completed groups, in ugid order
+        E = int(comp.sum())
+        enc_req = torch.full((E,), -1, dtype=torch.long)
+        enc_start = torch.full((E,), -1, dtype=torch.long)
+        enc_sink = torch.zeros(E, dtype=torch.long)
+        sink_tok = sink_block = sink_pos = _EMPTY
+        if positions is not None:
+            pos = positions.to("cpu", torch.long)[tok]
+            rows = row_of[inv[tok_comp]]
+            if E:
+                enc_start[rows] = pos[tok_comp] - off[tok_comp]
+                if req is not None:
+                    enc_req[rows] = req.to("cpu", torch.long)[tok][tok_comp]
+                enc_sink = (self.sink_tokens - enc_start).clamp(min=0, max=T) * (enc_start >= 0)
+            if self.sink_tokens and first_block is not None and req is not None:
+                is_sink = pos < self.sink_tokens
+                if bool(is_sink.any()):
+                    sink_tok = tok[is_sink]
+                    sink_pos = pos[is_sink]
+                    sink_block = first_block[req.to("cpu", torch.long)[sink_tok]]
         return WritePlan(
             stage_tok=tok[~tok_comp], stage_slot=slot_t[inv[~tok_comp]], stage_off=off[~tok_comp],
             enc_gids=ugid[comp], enc_src_slot=torch.tensor(src_for, dtype=torch.long)[comp],
             enc_tok=tok[tok_comp], enc_row=row_of[inv[tok_comp]], enc_off=off[tok_comp],
+            enc_req=enc_req, enc_start=enc_start, enc_sink=enc_sink,
+            sink_tok=sink_tok, sink_block=sink_block, sink_pos=sink_pos,
         )
 
-    def plan_reads(self, seq_lens: list[int], query_start: list[int], block_table: torch.Tensor,
-                   groups_per_block: int) -> ReadPlan:
-        """After :meth:`plan_writes` of the same step: the context of every request."""
-        T, N = self.T, groups_per_block
-        gids, page_start, tail, ctx_lens = [], [0], [], []
-        bt = block_table.to("cpu")
-        for r, L in enumerate(seq_lens):
-            q = query_start[r + 1] - query_start[r]
-            ctx = L - q
-            n_g = -(-ctx // T)
-            n_enc = min(n_g, L // T)
-            if n_g:
-                g = torch.arange(n_g)
-                rg = bt[r, g // N].long() * N + g % N
-                gids.append(rg[:n_enc])
-                if n_g > n_enc:
-                    tail.append(self.slot_of.get(int(rg[-1]), -1))
-                else:
-                    tail.append(-1)
-            else:
-                tail.append(-1)
-            page_start.append(page_start[-1] + n_enc)
-            ctx_lens.append(ctx)
-        page_gids = torch.cat(gids) if gids else _EMPTY
-        return ReadPlan(page_gids, page_start, tail, ctx_lens, list(query_start))
+
+@dataclass
+class Staging:
+    """One layer's staging buffers: K, V [S, T, H, D] and, for STP, queries [S, T, Hq, D]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    q: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(cls, num_slots: int, T: int, H: int, D: int, dtype: torch.dtype,
+                 num_q_heads: int | None = None, device=None) -> "Staging":
+        k = torch.zeros(num_slots, T, H, D, dtype=dtype, device=device)
+        q = None
+        if num_q_heads:
+            q = torch.zeros(num_slots, T, num_q_heads, D, dtype=dtype, device=device)
+        return cls(k, torch.zeros_like(k), q)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.q) if t is not None)
 
 
 def apply_writes(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value: torch.Tensor,
-                 pages: torch.Tensor, stage_k: torch.Tensor, stage_v: torch.Tensor) -> None:
-    """Write one layer's fresh K/V [tokens, H, D]: encode completed groups, stage the rest.
+                 pages: torch.Tensor, staging: Staging, relevance: torch.Tensor | None = None,
+                 query: torch.Tensor | None = None) -> None:
+    """Write one layer's fresh K/V [tokens, H, D]: encode completed groups, stage the rest,
+    copy sink tokens into their sink areas. ``relevance`` [E, T, H] for the completed
+    groups (STP); ``query`` [tokens, Hq, D] is staged too when ``staging.q`` exists.
 
     Completed groups are encoded first: they read staging slots that this very
     step may hand to a new group.
@@ -298,14 +467,28 @@ def apply_writes(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value:
         has = plan.enc_src_slot >= 0
         if bool(has.any()):
             rows, src = torch.nonzero(has).flatten(), plan.enc_src_slot[has]
-            tk[rows] = stage_k[src].float()
-            tv[rows] = stage_v[src].float()
+            tk[rows] = staging.k[src].float()
+            tv[rows] = staging.v[src].float()
         tk[plan.enc_row, plan.enc_off] = key[plan.enc_tok].float()
         tv[plan.enc_row, plan.enc_off] = value[plan.enc_tok].float()
-        layout.write_states(pages, plan.enc_gids, layout.encode(tk, tv))
+        if plan.enc_sink.numel() and bool((plan.enc_sink > 0).any()):
+            relevance = None if relevance is None else relevance.clone()
+            for e in torch.nonzero(plan.enc_sink > 0).flatten().tolist():
+                s = int(plan.enc_sink[e])
+                if s < T:  # sink rows take the mean of the others: no effect on the stats
+                    tk[e, :s] = tk[e, s:].mean(0)
+                    tv[e, :s] = tv[e, s:].mean(0)
+                if relevance is not None:
+                    relevance[e, :s] = SINK_RELEVANCE
+        layout.write_states(pages, plan.enc_gids, layout.encode(tk, tv, relevance))
     if plan.stage_tok.numel():
-        stage_k[plan.stage_slot, plan.stage_off] = key[plan.stage_tok].to(stage_k.dtype)
-        stage_v[plan.stage_slot, plan.stage_off] = value[plan.stage_tok].to(stage_v.dtype)
+        staging.k[plan.stage_slot, plan.stage_off] = key[plan.stage_tok].to(staging.k.dtype)
+        staging.v[plan.stage_slot, plan.stage_off] = value[plan.stage_tok].to(staging.v.dtype)
+        if staging.q is not None and query is not None:
+            staging.q[plan.stage_slot, plan.stage_off] = query[plan.stage_tok].to(staging.q.dtype)
+    if plan.sink_tok.numel():
+        layout.write_sinks(pages, plan.sink_block, plan.sink_pos, key[plan.sink_tok],
+                           value[plan.sink_tok])
 
 
 def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, scale: float
@@ -324,35 +507,88 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, 
     return out.squeeze(0).transpose(0, 1)
 
 
-def paged_attention(plan: ReadPlan, layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, pages: torch.Tensor, stage_k: torch.Tensor,
-                    stage_v: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """Every request: its fresh tokens in full precision + its context from pages/staging.
+def attention_mass(q_win: torch.Tensor, first_pos: int, keys: torch.Tensor, scale: float
+                   ) -> torch.Tensor:
+    """Attention mass of the window on every key: hf_cache's ``_attention_mass``.
 
-    Call after :func:`apply_writes` of the same step. Writes ``out[:tokens]``.
+    q_win [w, Hq, D] (queries at positions first_pos..first_pos+w-1), keys [S, H, D]
+    -> [S, H]: softmax over the keys each query may see (causal), summed over the
+    window's queries and the query heads of each KV head (head h*G+g uses KV head h).
     """
-    H, D = layout.H, layout.D
+    w, Hq, D = q_win.shape
+    S, H = keys.shape[0], keys.shape[1]
+    G = Hq // H
+    qg = q_win.float().permute(1, 0, 2).reshape(H, G * w, D)
+    scores = torch.matmul(qg, keys.float().permute(1, 2, 0)) * scale  # [H, G*w, S]
+    qpos = (first_pos + torch.arange(w)).repeat(G)
+    scores = scores.masked_fill(torch.arange(S)[None, :] > qpos[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1).sum(dim=-2).transpose(0, 1)
+
+
+def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor,
+                  key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, staging: Staging,
+                  scale: float, out: torch.Tensor, obs_window: int | None = None) -> None:
+    """One layer, one step: every request attends to its context (pages + staged tail
+    + sinks, as stored before this step) and its fresh tokens in full precision; then
+    the fresh tokens are written (:func:`apply_writes`), with STP relevance when
+    ``obs_window`` is given and the codecs use it. Writes ``out[:tokens]``."""
+    H, D, T = layout.H, layout.D, layout.T
+    want_rel = obs_window is not None and wplan.enc_gids.numel() > 0
+    rel = None
+    if want_rel:
+        require(staging.q is not None, "staging.q", "allocated for relevance", None)
+        rel = torch.zeros(wplan.enc_gids.numel(), T, H)
+        enc_req = wplan.enc_req.tolist()
+        require(min(enc_req) >= 0, "WritePlan.enc_req", "known for relevance", enc_req)
     dk = dv = None
-    if plan.page_gids.numel():
-        dk, dv = layout.decode(layout.read_states(pages, plan.page_gids))
-    for r, ctx in enumerate(plan.ctx_len):
-        qs, qe = plan.q_start[r], plan.q_start[r + 1]
+    if rplan.page_gids.numel():
+        dk, dv = layout.decode(layout.read_states(pages, rplan.page_gids))
+    for r, ctx in enumerate(rplan.ctx_len):
+        qs, qe = rplan.q_start[r], rplan.q_start[r + 1]
         if qe == qs:
             continue
-        ks, vs = [], []
-        a, b = plan.page_start[r], plan.page_start[r + 1]
-        if b > a:
-            ks.append(dk[a:b].reshape(-1, H, D))
-            vs.append(dv[a:b].reshape(-1, H, D))
-        if plan.tail_slot[r] >= 0:
-            ks.append(stage_k[plan.tail_slot[r]].float())
-            vs.append(stage_v[plan.tail_slot[r]].float())
         if ctx > 0:
-            kc, vc = torch.cat(ks)[:ctx], torch.cat(vs)[:ctx]
-            if kc.shape[0] < ctx:
-                raise RuntimeError(f"lowbit-kv: request {r} context has {kc.shape[0]} of {ctx} tokens")
+            ks, vs = [], []
+            a, b = rplan.page_start[r], rplan.page_start[r + 1]
+            if b > a:
+                ks.append(dk[a:b].reshape(-1, H, D))
+                vs.append(dv[a:b].reshape(-1, H, D))
+            part = ctx - (b - a) * T
+            if part:
+                ks.append(staging.k[rplan.tail_slot[r], :part].float())
+                vs.append(staging.v[rplan.tail_slot[r], :part].float())
+            kc, vc = torch.cat(ks), torch.cat(vs)
+            if kc.shape[0] != ctx:
+                raise RuntimeError(f"lowbit-kv: request row {r} context has {kc.shape[0]} "
+                                   f"of {ctx} tokens")
+            n_sink = min(layout.sink_tokens, ctx)
+            if n_sink:
+                sk, sv = layout.read_sinks(pages, rplan.first_block[r], n_sink)
+                kc, vc = kc.clone(), vc.clone()
+                kc[:n_sink], vc[:n_sink] = sk, sv
             k_all = torch.cat([kc, key[qs:qe].float()])
             v_all = torch.cat([vc, value[qs:qe].float()])
         else:
-            k_all, v_all = key[qs:qe], value[qs:qe]
+            k_all, v_all = key[qs:qe].float(), value[qs:qe].float()
         out[qs:qe] = attend(query[qs:qe], k_all, v_all, ctx, scale).to(out.dtype)
+        if want_rel and r in enc_req:
+            p = ctx + (qe - qs) - 1  # last position written in this step
+            w0 = max(0, p - obs_window + 1)
+            qw = [query[qs + max(0, w0 - ctx):qe]]
+            if w0 < ctx:  # earlier queries of the window: staged with the partial group
+                gstart = ctx - ctx % T
+                require(w0 >= gstart and rplan.tail_slot[r] >= 0, "obs_window",
+                        f"<= block_tokens ({T})", obs_window)
+                qw.insert(0, staging.q[rplan.tail_slot[r], w0 - gstart:ctx - gstart])
+            mass = attention_mass(torch.cat(qw), w0, k_all, scale)  # [S, H]
+            for e in (i for i, rr in enumerate(enc_req) if rr == r):
+                s0 = int(wplan.enc_start[e])
+                rel[e] = mass[s0:s0 + T]
+    apply_writes(wplan, layout, key, value, pages, staging, rel, query)
+
+
+def paged_attention(plan: ReadPlan, layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, pages: torch.Tensor, staging: Staging, scale: float,
+                    out: torch.Tensor) -> None:
+    """Attention only (no writes): :func:`forward_layer` with an empty write plan."""
+    forward_layer(_empty_write_plan(), plan, layout, query, key, value, pages, staging, scale, out)

@@ -5,14 +5,17 @@ Modelled on vLLM's ``cpu_attn.py`` (metadata builder / impl split) and
 ``turboquant_attn.py`` (a backend that owns its page size via
 ``customize_spec``). The math lives in :mod:`vllm_lowbit_kv.paged`.
 
-Scheme parameters beyond the name come from vLLM's additional config:
-``--additional-config '{"lowbit_kv": {"bits": 2, "block_tokens": 32}}'``
-(validated by :meth:`KVScheme.with_params`, logged once at start-up).
+Scheme parameters beyond the name come from vLLM's additional config,
+``--additional-config '{"lowbit_kv": {...}}'`` (or the launcher's
+``--lowbit-config FILE.json``), validated by :class:`~vllm_lowbit_kv.config.LowBitKVConfig`
+in :func:`check_vllm_config` (run by the plugin when vLLM builds its config, so
+a bad value stops the server before any model is loaded) and logged there once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import weakref
@@ -32,8 +35,9 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from .paged import PagedLayout, ReadPlan, StagingAllocator, WritePlan, apply_writes, paged_attention
-from .schemes import KVScheme, get_scheme
+from .config import ADDITIONAL_CONFIG_KEY, LowBitKVConfig, LowBitKVConfigError
+from .paged import PagedLayout, ReadPlan, Staging, StagingAllocator, WritePlan, forward_layer
+from .schemes import KVScheme
 from .vllm_plugin import BACKEND_NAME, is_lowbit_dtype
 
 if TYPE_CHECKING:
@@ -41,43 +45,104 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.lowbit_kv")
 
-ADDITIONAL_CONFIG_KEY = "lowbit_kv"
-#: staging slots beyond max_num_seqs (a safety margin; ended requests free theirs)
-STAGING_MARGIN = 8
+__all__ = ["ADDITIONAL_CONFIG_KEY", "LowBitKVBackend", "check_servable", "check_vllm_config",
+           "resolve_scheme", "staging_slots"]
+
 #: set to 1 to log staging-slot releases at INFO (tests read it)
 LOG_STAGING = os.environ.get("LOWBIT_KV_LOG_STAGING", "0") == "1"
 
-_scheme_cache: dict[tuple, KVScheme] = {}
-#: the scheme this process resolved last (hooks such as customize_spec run outside
+_resolved: dict[tuple, tuple[KVScheme, LowBitKVConfig]] = {}
+#: what this process resolved last (hooks such as customize_spec run outside
 #: vLLM's config context; one process serves one engine config)
-_last_scheme: KVScheme | None = None
+_last: tuple[KVScheme, LowBitKVConfig] | None = None
+_LOGGED_ENV = "LOWBIT_KV_CONFIG_LOGGED"
+
+
+def _resolve(vllm_config: "VllmConfig | None" = None) -> tuple[KVScheme, LowBitKVConfig]:
+    global _last
+    vllm_config = vllm_config or get_current_vllm_config_or_none()
+    if vllm_config is None:
+        if _last is None:
+            raise RuntimeError("lowbit-kv: no vLLM config in scope and no scheme resolved yet")
+        return _last
+    name = vllm_config.cache_config.cache_dtype
+    raw = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) \
+        if isinstance(vllm_config.additional_config, dict) else None
+    key = (name, repr(raw))
+    if key not in _resolved:
+        cfg = LowBitKVConfig.parse(raw)
+        _resolved[key] = (cfg.scheme(name), cfg)
+    _last = _resolved[key]
+    return _last
 
 
 def resolve_scheme(vllm_config: "VllmConfig | None" = None) -> KVScheme:
-    """The scheme named by ``cache_config.cache_dtype`` with additional-config overrides."""
-    global _last_scheme
-    vllm_config = vllm_config or get_current_vllm_config_or_none()
-    if vllm_config is None:
-        if _last_scheme is None:
-            raise RuntimeError("lowbit-kv: no vLLM config in scope and no scheme resolved yet")
-        return _last_scheme
-    name = vllm_config.cache_config.cache_dtype
-    params = dict((vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}) or {})
-    key = (name, tuple(sorted((k, repr(v)) for k, v in params.items())))
-    if key not in _scheme_cache:
-        scheme = get_scheme(name)
-        if params:
-            scheme = scheme.with_params(**params)
-        _scheme_cache[key] = scheme
-        logger.info("lowbit-kv scheme %s: %s; key %s, value %s, block_tokens=%d, sink_tokens=%d",
-                    name, scheme.summary, scheme.key, scheme.value, scheme.block_tokens,
-                    scheme.sink_tokens)
-    _last_scheme = _scheme_cache[key]
-    return _last_scheme
+    """The scheme named by ``cache_config.cache_dtype`` with the lowbit_kv overrides,
+    as the backend runs it (:meth:`LowBitKVConfig.scheme`)."""
+    return _resolve(vllm_config)[0]
+
+
+def resolve_config(vllm_config: "VllmConfig | None" = None) -> LowBitKVConfig:
+    return _resolve(vllm_config)[1]
 
 
 def staging_slots(vllm_config: "VllmConfig") -> int:
-    return int(vllm_config.scheduler_config.max_num_seqs) + STAGING_MARGIN
+    """One staging slot per running request: a request has at most one partial group,
+    and the slots of ended/preempted requests are returned before the next step."""
+    return int(vllm_config.scheduler_config.max_num_seqs)
+
+
+def check_vllm_config(vllm_config: "VllmConfig") -> None:
+    """Validate the lowbit_kv configuration against the model, once vLLM has built its
+    config (all processes see the result); translate ``skip_layers`` into vLLM's
+    ``kv_cache_dtype_skip_layers`` (those layers get the model dtype and vLLM's own
+    attention); log the effective configuration once. Raises with the reason."""
+    cache_config = vllm_config.cache_config
+    name = cache_config.cache_dtype
+    model_config = vllm_config.model_config
+    try:
+        scheme, cfg = _resolve(vllm_config)
+    except LowBitKVConfigError as e:
+        raise ValueError(f"--kv-cache-dtype {name}: {e}") from None
+    if model_config is None:
+        return
+    reasons = []
+    # vLLM's own flag feeds the same mechanism: numeric entries are merged.
+    flag = list(cache_config.kv_cache_dtype_skip_layers or [])
+    extra = [x for x in flag if not str(x).isdigit()]
+    if extra:
+        reasons.append(f"--kv-cache-dtype-skip-layers entries {extra} (use layer indices, or "
+                       f"lowbit_kv skip_layers)")
+    skip = sorted(set(cfg.skip_layers) | {int(x) for x in flag if str(x).isdigit()})
+    if skip != cfg.skip_layers:
+        cfg = cfg.model_copy(update={"skip_layers": skip})
+    if model_config.is_hybrid or model_config.is_attention_free:
+        reasons.append("hybrid / attention-free models (Mamba, linear attention): not supported")
+    if model_config.is_encoder_decoder:
+        reasons.append("encoder-decoder models: not supported")
+    if model_config.use_mla:
+        reasons.append("MLA attention: not supported")
+    if vllm_config.speculative_config is not None:
+        reasons.append("speculative decoding: not supported")
+    num_layers = model_config.get_total_num_hidden_layers()
+    head_dim = model_config.get_head_size()
+    reasons += cfg.check_model(scheme, head_dim=head_dim, num_layers=num_layers,
+                               block_size=cache_config.block_size)
+    if reasons:
+        raise ValueError(f"--kv-cache-dtype {name} cannot serve {model_config.model}: "
+                         + "; ".join(reasons) + ". Refusing to start rather than serve wrong outputs.")
+    if skip:
+        cache_config.kv_cache_dtype_skip_layers = [str(i) for i in skip]
+    # Once per server: vLLM re-runs this check in the engine-core process it spawns
+    # later, which inherits the marker through the environment.
+    marker = hashlib.sha1(repr((name, cfg, cache_config.block_size)).encode()).hexdigest()[:16]
+    if os.environ.get(_LOGGED_ENV) != marker:
+        os.environ[_LOGGED_ENV] = marker
+        logger.info(cfg.summary(
+            name, scheme, head_dim=head_dim,
+            num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+            num_layers=num_layers, block_size=cache_config.block_size,
+            model_dtype_bytes=torch.empty(0, dtype=model_config.dtype).element_size()))
 
 
 def check_servable(sel) -> None:
@@ -113,25 +178,17 @@ def check_servable(sel) -> None:
         reasons.append(f"model dtype {sel.dtype}")
     vllm_config = get_current_vllm_config()
     cache_config = vllm_config.cache_config
-    if cache_config.kv_cache_dtype_skip_layers:
-        reasons.append("--kv-cache-dtype-skip-layers (use the scheme's own skip settings)")
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding")
-    scheme = resolve_scheme(vllm_config)
-    if scheme.sink_tokens:
-        reasons.append(f"sink_tokens={scheme.sink_tokens} (bf16 sinks are not implemented "
-                       "in the vLLM backend yet; set sink_tokens=0)")
-    if scheme.uses_relevance:
-        reasons.append(f"scheme {name} needs STP relevance scores, which the vLLM backend does "
-                       "not compute yet")
     try:
-        kc, _ = scheme.codecs(sel.head_size)
-    except ValueError as e:
-        reasons.append(f"head_size {sel.head_size}: {e}")
+        scheme, cfg = _resolve(vllm_config)
+    except LowBitKVConfigError as e:
+        reasons.append(str(e))
     else:
-        if cache_config.block_size % kc.block_tokens:
-            reasons.append(f"--block-size {cache_config.block_size} is not a multiple of the "
-                           f"scheme's block_tokens ({kc.block_tokens})")
+        num_layers = (vllm_config.model_config.get_total_num_hidden_layers()
+                      if vllm_config.model_config is not None else 1 << 30)
+        reasons += cfg.check_model(scheme, head_dim=sel.head_size, num_layers=num_layers,
+                                   block_size=cache_config.block_size)
     if reasons:
         raise ValueError(
             f"--kv-cache-dtype {name} cannot serve this model: " + "; ".join(reasons)
@@ -143,6 +200,19 @@ def _group_tokens() -> int:
         return resolve_scheme().block_tokens
     except Exception:  # no config in scope (e.g. introspection): the registry default
         return 64
+
+
+def _layout(scheme: KVScheme, head_size: int, num_kv_heads: int, block_size: int,
+            dtype: torch.dtype) -> PagedLayout:
+    kc, vc = scheme.codecs(head_size)
+    return PagedLayout(kc, vc, num_kv_heads, block_size, scheme.sink_tokens, dtype)
+
+
+def _model_dtype() -> torch.dtype:
+    cfg = get_current_vllm_config_or_none()
+    if cfg is not None and cfg.model_config is not None:
+        return cfg.model_config.dtype
+    return torch.bfloat16
 
 
 class LowBitKVBackend(AttentionBackend):
@@ -167,11 +237,15 @@ class LowBitKVBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """One state = one T-token group of one head: K bytes then V bytes."""
+        """Without sinks one state = one T-token group of one head (K bytes then V bytes);
+        with sinks one state = a whole block of one head (sink area, then the groups)."""
         scheme = resolve_scheme()
-        kc, vc = scheme.codecs(spec.head_size)
-        return dataclasses.replace(spec, dtype=torch.uint8, tokens_per_state=kc.block_tokens,
-                                   state_content_bytes=kc.nbytes + vc.nbytes)
+        layout = _layout(scheme, spec.head_size, spec.num_kv_heads, spec.block_size, _model_dtype())
+        if layout.sink_bytes == 0:
+            return dataclasses.replace(spec, dtype=torch.uint8, tokens_per_state=layout.T,
+                                       state_content_bytes=layout.state_bytes)
+        return dataclasses.replace(spec, dtype=torch.uint8, tokens_per_state=spec.block_size,
+                                   state_content_bytes=layout.head_bytes)
 
     @staticmethod
     def get_name() -> str:
@@ -239,31 +313,40 @@ class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
                  vllm_config: "VllmConfig", device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         scheme = resolve_scheme(vllm_config)
-        kc, vc = scheme.codecs(kv_cache_spec.head_size)
-        self.layout = PagedLayout(kc, vc, kv_cache_spec.num_kv_heads, kv_cache_spec.block_size)
-        self.alloc = StagingAllocator(staging_slots(vllm_config), kc.block_tokens)
+        self.layout = _layout(scheme, kv_cache_spec.head_size, kv_cache_spec.num_kv_heads,
+                              kv_cache_spec.block_size, vllm_config.model_config.dtype)
+        self.alloc = StagingAllocator(staging_slots(vllm_config), self.layout.T,
+                                      self.layout.sink_tokens)
+        elt = torch.empty(0, dtype=vllm_config.model_config.dtype).element_size()
+        rows = 2 * kv_cache_spec.num_kv_heads
+        if scheme.uses_relevance:  # STP keeps the staged tokens' queries too
+            rows += vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        staging_mb = (self.alloc.num_slots * self.layout.T * rows * kv_cache_spec.head_size * elt
+                      * len(layer_names) / 2**20)
         logger.info("lowbit-kv pages: %d bytes per block of %d tokens per layer (%.1f B/token, "
-                    "bf16 would be %d); %d staging slots",
+                    "%.3f bits/element); %d layers; staging: %d slots per layer (one per "
+                    "--max-num-seqs), %.1f MiB in all, outside the KV cache budget",
                     self.layout.page_bytes, kv_cache_spec.block_size, self.layout.bytes_per_token,
-                    2 * kv_cache_spec.num_kv_heads * kv_cache_spec.head_size * 2,
-                    self.alloc.num_slots)
+                    self.layout.bits_per_element, len(layer_names), self.alloc.num_slots,
+                    staging_mb)
         _BUILDERS.add(self)
         _install_request_end_hook()
 
     def release_blocks(self, block_ids) -> None:
         freed = self.alloc.release_blocks(block_ids, self.layout.groups_per_block)
-        if freed:
-            (logger.info if LOG_STAGING else logger.debug)("lowbit-kv: freed %d staging slots of ended requests (%d in use)",
-                         freed, self.alloc.in_use)
+        if freed or LOG_STAGING:
+            (logger.info if LOG_STAGING else logger.debug)(
+                "lowbit-kv: freed %d staging slots of ended requests (%d in use)",
+                freed, self.alloc.in_use)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> LowBitKVMetadata:
         cam = common_attn_metadata
         n, R = cam.num_actual_tokens, cam.num_reqs
-        write = self.alloc.plan_writes(cam.slot_mapping[:n])
-        read = self.alloc.plan_reads(cam.seq_lens[:R].tolist(),
-                                     cam.query_start_loc_cpu[:R + 1].tolist(),
-                                     cam.block_table_tensor[:R], self.layout.groups_per_block)
+        write, read = self.alloc.plan_step(
+            cam.slot_mapping[:n], cam.seq_lens[:R].tolist(),
+            cam.query_start_loc_cpu[:R + 1].tolist(), cam.block_table_tensor[:R],
+            self.layout.groups_per_block)
         return LowBitKVMetadata(num_actual_tokens=n, write=write, read=read)
 
 
@@ -290,24 +373,27 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
         vllm_config = get_current_vllm_config()
-        scheme = resolve_scheme(vllm_config)
-        self.key_codec, self.value_codec = scheme.codecs(head_size)
-        T = self.key_codec.block_tokens
-        S = staging_slots(vllm_config)
-        dtype = vllm_config.model_config.dtype
-        # The bf16 home of every sequence's incomplete last group, sized once.
-        self.stage_k = torch.zeros(S, T, num_kv_heads, head_size, dtype=dtype)
-        self.stage_v = torch.zeros_like(self.stage_k)
+        self.scheme = resolve_scheme(vllm_config)
+        cfg = resolve_config(vllm_config)
+        self.obs_window = cfg.obs_window if self.scheme.uses_relevance else None
+        self.model_dtype = vllm_config.model_config.dtype
+        self.T = self.scheme.block_tokens
+        # The home of every running sequence's incomplete last group (and, for STP,
+        # its queries), sized once.
+        self.staging = Staging.allocate(staging_slots(vllm_config), self.T, num_kv_heads,
+                                        head_size, self.model_dtype,
+                                        num_heads if self.obs_window else None)
         self._layout: PagedLayout | None = None
 
     def _layout_for(self, kv_cache: torch.Tensor) -> PagedLayout:
-        # kv_cache: uint8 [num_blocks, H, N, C]; block_size = N * T
+        # kv_cache: uint8 [num_blocks, H, N, C] (no sinks) or [num_blocks, H, 1, P]
         if self._layout is None:
-            N = kv_cache.shape[2]
-            self._layout = PagedLayout(self.key_codec, self.value_codec, self.num_kv_heads,
-                                       N * self.key_codec.block_tokens)
-            assert kv_cache.shape[3] == self._layout.state_bytes, (kv_cache.shape,
-                                                                   self._layout.state_bytes)
+            per_head = kv_cache.shape[2] * kv_cache.shape[3]
+            one = _layout(self.scheme, self.head_size, self.num_kv_heads, self.T, self.model_dtype)
+            n_groups = (per_head - one.sink_bytes) // one.state_bytes
+            self._layout = _layout(self.scheme, self.head_size, self.num_kv_heads,
+                                   n_groups * self.T, self.model_dtype)
+            assert self._layout.head_bytes == per_head, (kv_cache.shape, self._layout.head_bytes)
         return self._layout
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -323,7 +409,10 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
             return output
         layout = self._layout_for(kv_cache)
         key, value, query = key[:n], value[:n], query[:n]
-        apply_writes(attn_metadata.write, layout, key, value, kv_cache, self.stage_k, self.stage_v)
-        paged_attention(attn_metadata.read, layout, query, key, value, kv_cache, self.stage_k,
-                        self.stage_v, self.scale, output[:n])
+        query = query.view(n, self.num_heads, self.head_size)
+        key = key.view(n, self.num_kv_heads, self.head_size)
+        value = value.view(n, self.num_kv_heads, self.head_size)
+        forward_layer(attn_metadata.write, attn_metadata.read, layout, query, key, value, kv_cache,
+                      self.staging, self.scale, output[:n].view(n, self.num_heads, self.head_size),
+                      self.obs_window)
         return output

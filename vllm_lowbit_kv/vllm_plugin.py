@@ -14,7 +14,16 @@ explains each hook):
 3. registers our backend as ``AttentionBackendEnum.LOWBIT_KV``;
 4. wraps ``CpuPlatform.get_attn_backend_cls`` so that our dtypes select that
    backend (after checking the layer is one we can serve), while every other
-   dtype (auto, bfloat16, fp8, ...) goes to the untouched original.
+   dtype (auto, bfloat16, fp8, ...) goes to the untouched original;
+5. wraps ``CpuPlatform.check_and_update_config`` (run when vLLM builds its
+   config, before any process loads the model) so that for our dtypes the
+   ``lowbit_kv`` additional config is validated against the model, its
+   ``skip_layers`` become vLLM's ``kv_cache_dtype_skip_layers``, and the
+   effective configuration is logged once
+   (:func:`vllm_lowbit_kv.vllm_backend.check_vllm_config`). Other dtypes are
+   untouched (a stray ``lowbit_kv`` entry only draws a warning);
+6. on any other platform (CUDA, ROCm, ...), where no backend of ours exists
+   yet, refuses our dtypes when vLLM builds its config.
 """
 
 from __future__ import annotations
@@ -108,6 +117,54 @@ def _patch_cpu_platform() -> None:
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)  # type: ignore[assignment]
 
 
+def _patch_cpu_config_check() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config
+    if getattr(original, "_lowbit_kv_wrapped", False):
+        return
+    orig_func = original.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        orig_func(cls, vllm_config)
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        if is_lowbit_dtype(cache_dtype):
+            from .vllm_backend import check_vllm_config
+
+            check_vllm_config(vllm_config)
+        elif isinstance(vllm_config.additional_config, dict) and \
+                "lowbit_kv" in vllm_config.additional_config:
+            logger.warning("additional_config 'lowbit_kv' is ignored: --kv-cache-dtype %s is not "
+                           "a lowbit-kv scheme (%s)", cache_dtype, ", ".join(scheme_names()))
+
+    check_and_update_config._lowbit_kv_wrapped = True  # type: ignore[attr-defined]
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[assignment]
+
+
+def _refuse_other_platforms() -> None:
+    """Only the CPU platform has our backend so far: elsewhere (CUDA, ROCm, ...) our
+    dtypes would reach a stock backend that cannot read packed pages. Refuse them
+    when vLLM builds its config, with the reason."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    if current_platform.is_cpu() or getattr(cls.check_and_update_config, "_lowbit_kv_wrapped", False):
+        return
+    orig_func = cls.check_and_update_config.__func__
+
+    def check_and_update_config(klass, vllm_config):
+        dtype = vllm_config.cache_config.cache_dtype
+        if is_lowbit_dtype(dtype):
+            raise ValueError(
+                f"--kv-cache-dtype {dtype}: the lowbit-kv attention backend runs on vLLM's CPU "
+                f"platform only so far; {cls.__name__} would serve packed pages with a stock "
+                "backend (wrong outputs). Refusing to start.")
+        return orig_func(klass, vllm_config)
+
+    check_and_update_config._lowbit_kv_wrapped = True  # type: ignore[attr-defined]
+    cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[assignment]
+
+
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group (idempotent)."""
     global _registered
@@ -118,5 +175,7 @@ def register() -> None:
     _register_torch_dtypes(names)
     _register_backend()
     _patch_cpu_platform()
+    _patch_cpu_config_check()
+    _refuse_other_platforms()
     _registered = True
     logger.debug("vllm_lowbit_kv plugin registered kv-cache dtypes %s", names)

@@ -1,0 +1,216 @@
+"""The lowbit_kv configuration: pydantic validation, the launcher's --lowbit-config,
+the start-up checks against a model, and the KV capacity vLLM's allocator gives our
+pages. No server: everything here runs in-process in a few seconds."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_lowbit_kv.config import LowBitKVConfig, LowBitKVConfigError
+from vllm_lowbit_kv.schemes import SCHEMES, get_scheme
+
+LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
+
+
+def test_fields_cover_every_codec_parameter():
+    params = set()
+    for s in SCHEMES.values():
+        for spec in (s.key, s.value):
+            params |= {p for p in inspect.signature(spec.cls.__init__).parameters
+                       if spec.accepts(p)}
+    cache = {"block_tokens", "sink_tokens", "skip_layers", "obs_window"}
+    assert set(LowBitKVConfig.model_fields) == params | cache
+
+
+@pytest.mark.parametrize("raw,scheme,match", [
+    ({"bits": 3}, "kivi2", r"bits must be one of \(2, 4, 8\), got 3"),
+    ({"gamma": 0.5}, "kivi2", r"kivi2 parameter name must be one of \['axis', 'bits', .*got 'gamma'"),
+    ({"k": 1.5}, "vidkv", r"k must be a number in \[0, 1\], got 1.5"),
+    ({"protect": 1.0}, "vidkv_stp", r"protect must be a number in \[0, 1\)"),
+    ({"zz": 1}, "vidkv", r"unknown field 'zz'; known fields: \['alpha', 'axis', 'bits'"),
+    ({"one_bit": "x"}, "vidkv", r"field 'one_bit': Input should be 'mean', 'sign' or 'minmax'"),
+    ({"bits": True}, "kivi2", r"field 'bits': Input should be a valid integer, got True"),
+    ({"sink_tokens": -1}, "vidkv", r"field 'sink_tokens': Input should be greater than or equal to 0"),
+    ({"skip_layers": [-2]}, "vidkv", r"field 'skip_layers': layer indices must be >= 0"),
+    ({"block_tokens": 0}, "vidkv", r"field 'block_tokens': Input should be greater than or equal to 1"),
+    ({"ema": 0.9}, "dynamic4", r"ema must be 0 for --kv-cache-dtype dynamic4 in the vLLM backend"),
+    ([1, 2], "vidkv", r"must be a JSON object"),
+])
+def test_bad_values_name_the_field_and_allowed_values(raw, scheme, match):
+    with pytest.raises(LowBitKVConfigError, match=match):
+        LowBitKVConfig.parse(raw).scheme(scheme)
+
+
+def test_overrides_reach_the_codecs():
+    cfg = LowBitKVConfig.parse({"protect": 0.25, "gamma": 0.6, "k": 0.75, "sink_tokens": 4,
+                                "block_tokens": 32, "skip_layers": [3, 0, 3], "obs_window": 16})
+    s = cfg.scheme("vidkv_stp")
+    kc, vc = s.codecs(HEAD_DIM)
+    assert (kc.k, vc.gamma, vc.protect, kc.protect) == (0.75, 0.6, 0.25, 0.0)
+    assert (s.block_tokens, s.sink_tokens, cfg.skip_layers, cfg.obs_window) == (32, 4, [0, 3], 16)
+    assert LowBitKVConfig.parse(None).scheme("vidkv") == get_scheme("vidkv")
+    # stateful codecs run stateless in vLLM, and the scheme says so
+    assert LowBitKVConfig.parse({}).scheme("dynamic2").value.params["ema"] == 0.0
+
+
+def test_model_checks_give_reasons():
+    cfg = LowBitKVConfig.parse({"sink_tokens": 65, "obs_window": 80, "skip_layers": [30]})
+    reasons = " | ".join(cfg.check_model(cfg.scheme("vidkv_stp"), head_dim=HEAD_DIM,
+                                         num_layers=LAYERS, block_size=96))
+    for part in ("--block-size 96 is not a multiple of the scheme's block_tokens (64)",
+                 "sink_tokens must be at most block_tokens (64)",
+                 "obs_window must be at most block_tokens (64)",
+                 "skip_layers must be layer indices in [0, 30), got [30]"):
+        assert part in reasons
+    every = LowBitKVConfig.parse({"skip_layers": list(range(LAYERS))})
+    assert "lists every layer" in " ".join(every.check_model(get_scheme("kivi2"), head_dim=64,
+                                                             num_layers=LAYERS))
+    assert "head_dim 2048" in " ".join(LowBitKVConfig().check_model(
+        get_scheme("vidkv"), head_dim=2048, num_layers=LAYERS))
+    assert LowBitKVConfig().check_model(get_scheme("vidkv"), head_dim=64, num_layers=LAYERS,
+                                        block_size=128) == []
+
+
+def test_summary_states_effective_bits():
+    cfg = LowBitKVConfig.parse({"sink_tokens": 4, "skip_layers": [0]})
+    line = cfg.summary("vidkv", cfg.scheme("vidkv"), head_dim=64, num_kv_heads=3, num_layers=30,
+                       block_size=128)
+    eff = get_scheme("vidkv").effective_bits(64)
+    assert f"groups {eff:.3f}" in line and "with sink area" in line and "over all 30 layers" in line
+
+
+# ------------------------------------------------------------------------- launcher
+
+def test_launcher_turns_lowbit_config_into_additional_config(tmp_path):
+    from serving.__main__ import build_argv
+
+    f = tmp_path / "lb.json"
+    f.write_text(json.dumps({"protect": 0.25, "sink_tokens": 4}))
+    argv = build_argv(["--model", "m", "--kv-cache-dtype", "vidkv_stp", "--lowbit-config", str(f),
+                       "--additional-config", '{"other": 1, "lowbit_kv": {"sink_tokens": 8}}'])
+    i = argv.index("--additional-config")
+    assert "--lowbit-config" not in argv and argv.count("--additional-config") == 1
+    assert json.loads(argv[i + 1]) == {"other": 1, "lowbit_kv": {"protect": 0.25, "sink_tokens": 8}}
+    # {"lowbit_kv": {...}} in the file works too
+    f.write_text(json.dumps({"lowbit_kv": {"k": 0.75}}))
+    argv = build_argv(["m", f"--lowbit-config={f}"])
+    assert argv[:2] == ["--model", "m"]
+    assert json.loads(argv[argv.index("--additional-config") + 1]) == {"lowbit_kv": {"k": 0.75}}
+
+
+def test_launcher_refuses_bad_config_before_vllm_starts(tmp_path):
+    from serving.__main__ import build_argv
+
+    f = tmp_path / "lb.json"
+    f.write_text(json.dumps({"sinks": 4}))
+    with pytest.raises(SystemExit, match="unknown field 'sinks'"):
+        build_argv(["--model", "m", "--lowbit-config", str(f)])
+    with pytest.raises(SystemExit, match="no such file"):
+        build_argv(["--model", "m", "--lowbit-config", str(tmp_path / "missing.json")])
+
+
+# ------------------------------------------------------------------- against vLLM
+
+vllm = pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from vllm_lowbit_kv.model import prepare_model
+    from vllm_lowbit_kv.vllm_plugin import register
+
+    register()
+    return str(prepare_model())
+
+
+def _vllm_config(model_dir, dtype, lowbit=None, **cache_kw):
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    add = {} if lowbit is None else {"lowbit_kv": lowbit}
+    return VllmConfig(model_config=ModelConfig(model=model_dir, max_model_len=2048),
+                      cache_config=CacheConfig(cache_dtype=dtype, **cache_kw),
+                      additional_config=add)
+
+
+def test_vllm_config_validates_and_maps_skip_layers(model_dir):
+    cfg = _vllm_config(model_dir, "vidkv_stp", {"skip_layers": [0, 29], "sink_tokens": 4})
+    assert cfg.cache_config.kv_cache_dtype_skip_layers == ["0", "29"]
+    with pytest.raises(ValueError, match=r"vidkv: lowbit_kv config: unknown field 'gama'"):
+        _vllm_config(model_dir, "vidkv", {"gama": 0.5})
+    with pytest.raises(ValueError, match=r"cannot serve .*skip_layers must be layer indices in \[0, 30\)"):
+        _vllm_config(model_dir, "vidkv", {"skip_layers": [30]})
+    # stock dtypes are untouched; a stray lowbit_kv entry is ignored
+    assert _vllm_config(model_dir, "auto", {"skip_layers": [1]}).cache_config \
+        .kv_cache_dtype_skip_layers == []
+
+
+def _fake_vllm_config(**model_kw):
+    model = dict(is_hybrid=False, is_attention_free=False, is_encoder_decoder=False, use_mla=False,
+                 model="fake", dtype=torch.bfloat16, get_total_num_hidden_layers=lambda: LAYERS,
+                 get_head_size=lambda: HEAD_DIM, get_num_kv_heads=lambda pc: KV_HEADS)
+    model.update(model_kw)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(**model), parallel_config=None, speculative_config=None,
+        additional_config={},
+        cache_config=SimpleNamespace(cache_dtype="vidkv", kv_cache_dtype_skip_layers=[],
+                                     block_size=128))
+
+
+@pytest.mark.parametrize("model_kw,reason", [
+    ({"use_mla": True}, "MLA attention"),
+    ({"is_hybrid": True}, "hybrid / attention-free"),
+    ({"is_encoder_decoder": True}, "encoder-decoder"),
+    ({"get_head_size": lambda: 2048}, "head_dim 2048"),
+    ({"get_total_num_hidden_layers": lambda: 1}, None),
+])
+def test_unservable_models_are_refused_with_the_reason(model_dir, model_kw, reason):
+    from vllm_lowbit_kv.vllm_backend import check_vllm_config
+
+    cfg = _fake_vllm_config(**model_kw)
+    if reason is None:
+        check_vllm_config(cfg)  # a 1-layer llama-like model is fine
+        return
+    with pytest.raises(ValueError, match=f"vidkv cannot serve fake: .*{reason}.*Refusing to start"):
+        check_vllm_config(cfg)
+
+
+@pytest.mark.parametrize("lowbit", [None, {"skip_layers": [0, 29], "sink_tokens": 4}])
+def test_allocator_capacity_scales_with_bits(model_dir, lowbit):
+    """vLLM's own allocator (get_kv_cache_configs) on our specs: 1 GiB holds
+    >= 0.9 x (16 / bits) x the bf16 token count, for every scheme."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_lowbit_kv.vllm_backend import LowBitKVBackend, _layout
+
+    def tokens(dtype, lb):
+        cfg = _vllm_config(model_dir, dtype, lb)
+        cfg.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves for us
+        skip = set(cfg.cache_config.kv_cache_dtype_skip_layers)
+        with set_current_vllm_config(cfg):
+            specs = {}
+            for i in range(LAYERS):
+                bf16 = dtype == "auto" or str(i) in skip
+                s = FullAttentionSpec(block_size=cfg.cache_config.block_size, num_kv_heads=KV_HEADS,
+                                      head_size=HEAD_DIM, dtype=torch.bfloat16 if bf16 else torch.uint8)
+                specs[f"model.layers.{i}.self_attn.attn"] = s if bf16 else LowBitKVBackend.customize_spec(s)
+            kc = get_kv_cache_configs(cfg, [specs], [2**30])[0]
+        return kc.num_blocks * cfg.cache_config.block_size
+
+    bf16 = tokens("auto", None)
+    assert bf16 == 2**30 // (LAYERS * KV_HEADS * HEAD_DIM * 2 * 2) // 128 * 128
+    n_skip = len((lowbit or {}).get("skip_layers", []))
+    for name in SCHEMES:
+        got = tokens(name, lowbit)
+        scheme = LowBitKVConfig.parse(lowbit).scheme(name)
+        page_bits = _layout(scheme, HEAD_DIM, KV_HEADS, 128, torch.bfloat16).bits_per_element
+        bits = (page_bits * (LAYERS - n_skip) + 16 * n_skip) / LAYERS
+        assert got >= 0.9 * (16 / bits) * bf16, (name, got, bf16, bits)
+        if lowbit is None:
+            assert got >= 0.9 * (16 / scheme.effective_bits(HEAD_DIM)) * bf16, name

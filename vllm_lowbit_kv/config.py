@@ -1,0 +1,276 @@
+"""The low-bit KV configuration: a scheme's parameters, validated with pydantic.
+
+Set without code changes, in either form::
+
+    vllm serve MODEL --kv-cache-dtype vidkv_stp \\
+        --additional-config '{"lowbit_kv": {"protect": 0.25, "sink_tokens": 4, "skip_layers": [0]}}'
+    python -m serving --kv-cache-dtype vidkv_stp --lowbit-config lowbit.json
+
+(``lowbit.json`` holds the same object: ``{"protect": 0.25, ...}``; the launcher
+turns it into the additional config.) Every field is optional; absent fields keep
+the scheme's defaults (:mod:`vllm_lowbit_kv.schemes`).
+
+Fields
+------
+Cache layout (any scheme):
+
+* ``block_tokens``: tokens per quantization group (codec statistics run over
+  them; vLLM's ``--block-size`` must be a multiple).
+* ``sink_tokens``: first tokens of every sequence also kept exactly in the model
+  dtype (attention sinks), at most ``block_tokens``; costs
+  ``2 * sink_tokens * head_dim`` model-dtype elements per KV head in every
+  page (see :mod:`vllm_lowbit_kv.paged`).
+* ``skip_layers``: layer indices kept entirely in the model dtype (bf16 pages of
+  their own size, vLLM's own attention).
+* ``obs_window``: queries in the STP observation window (relevance schemes such
+  as ``vidkv_stp``), at most ``block_tokens``.
+
+Codec parameters (each reaches the scheme's codec(s) that take it, see
+:meth:`vllm_lowbit_kv.schemes.KVScheme.with_params`; a parameter no codec of
+the scheme takes is refused with the names it does take): ``k``, ``fft``,
+``one_bit`` (VidKV keys), ``gamma``, ``protect`` (VidKV ternary values / STP),
+``bits``, ``axis``, ``group_size`` (KIVI, quantile, dynamic), ``alpha``,
+``rounding`` (quantile), ``ema``, ``normalize``, ``fine_group_size``,
+``fine_fraction``, ``tau``, ``eps`` (dynamic).
+
+Errors (:class:`LowBitKVConfigError`, a ValueError) name the field and what it
+accepts; unknown fields are refused with the list of known ones.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .codecs.quantile1 import ROUNDINGS
+from .codecs.vidkv import ONE_BIT_MODES
+from .schemes import KVScheme, get_scheme
+
+#: key of vLLM's ``--additional-config`` object holding our configuration
+ADDITIONAL_CONFIG_KEY = "lowbit_kv"
+DEFAULT_OBS_WINDOW = 32
+
+CACHE_FIELDS = ("block_tokens", "sink_tokens", "skip_layers", "obs_window")
+
+
+class LowBitKVConfigError(ValueError):
+    """A bad lowbit_kv configuration; the message names the field and its allowed values."""
+
+
+class LowBitKVConfig(BaseModel):
+    """``{"lowbit_kv": {...}}`` of vLLM's additional config (every field optional)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    # cache layout
+    block_tokens: int | None = Field(None, ge=1, le=4096,
+                                     description="tokens per quantization group")
+    sink_tokens: int | None = Field(None, ge=0, le=4096,
+                                    description="first tokens of a sequence kept exact")
+    skip_layers: list[int] = Field(default_factory=list,
+                                   description="layer indices kept in the model dtype")
+    obs_window: int = Field(DEFAULT_OBS_WINDOW, ge=1, le=4096,
+                            description="queries in the STP observation window")
+    # codec parameters (None: the scheme's default)
+    k: float | None = None
+    fft: bool | None = None
+    one_bit: Literal[ONE_BIT_MODES] | None = None  # type: ignore[valid-type]
+    gamma: float | None = None
+    protect: float | None = None
+    bits: int | None = None
+    axis: Literal["channel", "token", "head"] | None = None
+    group_size: int | None = None
+    alpha: float | None = None
+    rounding: Literal[ROUNDINGS] | None = None  # type: ignore[valid-type]
+    ema: float | None = None
+    normalize: bool | None = None
+    fine_group_size: int | None = None
+    fine_fraction: float | None = None
+    tau: float | None = None
+    eps: float | None = None
+
+    @field_validator("skip_layers")
+    @classmethod
+    def _layers(cls, v: list[int]) -> list[int]:
+        bad = [i for i in v if i < 0]
+        if bad:
+            raise ValueError(f"layer indices must be >= 0, got {bad}")
+        return sorted(set(v))
+
+    # -- construction ---------------------------------------------------------------
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | None) -> "LowBitKVConfig":
+        """Validate a mapping (e.g. the ``lowbit_kv`` object); errors name the field."""
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise LowBitKVConfigError(
+                f"lowbit_kv config must be a JSON object of fields {sorted(cls.model_fields)}, "
+                f"got {type(raw).__name__}: {raw!r}")
+        try:
+            return cls.model_validate(dict(raw))
+        except ValidationError as e:
+            raise LowBitKVConfigError(_explain(e)) from None
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Any) -> "LowBitKVConfig":
+        """The ``lowbit_kv`` entry of vLLM's ``additional_config`` (absent: defaults)."""
+        raw = None
+        if isinstance(additional_config, Mapping):
+            raw = additional_config.get(ADDITIONAL_CONFIG_KEY)
+        return cls.parse(raw)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "LowBitKVConfig":
+        """A JSON file holding the fields (or ``{"lowbit_kv": {fields}}``)."""
+        return cls.parse(load_file(path))
+
+    # -- use --------------------------------------------------------------------------
+    def codec_params(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items()
+                if k not in CACHE_FIELDS and v is not None}
+
+    def explicit(self) -> dict[str, Any]:
+        """The fields that were set (for logs)."""
+        return self.model_dump(exclude_unset=True)
+
+    def scheme(self, name: str) -> KVScheme:
+        """The registered scheme ``name`` with these overrides, as the vLLM backend runs it.
+
+        Codecs that thread per-sequence state through ``encode_stream`` (the dynamic
+        schemes' EMA recorders) run stateless in vLLM: a block's bytes may be shared
+        by prefix caching across sequences with different histories, so every block
+        is encoded with its own statistics, i.e. ``ema = 0``. The returned scheme
+        says so (``ema=0.0``, what the transformers yardstick must use to give the
+        same numbers); an explicit ``ema`` other than 0 is refused.
+        """
+        try:
+            base = get_scheme(name)
+        except ValueError as e:
+            raise LowBitKVConfigError(str(e)) from None
+        params = self.codec_params()
+        if self.block_tokens is not None:
+            params["block_tokens"] = self.block_tokens
+        if self.sink_tokens is not None:
+            params["sink_tokens"] = self.sink_tokens
+        kc, vc = base.codecs(head_dim=64)
+        if any(hasattr(c, "encode_stream") for c in (kc, vc)):
+            ema = params.get("ema", 0.0)
+            if ema != 0:
+                raise LowBitKVConfigError(
+                    f"ema must be 0 for --kv-cache-dtype {name} in the vLLM backend, got {ema!r}: "
+                    "per-sequence EMA recorders cannot follow blocks shared by prefix caching, "
+                    "so every block is encoded with its own statistics")
+            params["ema"] = 0.0
+        try:
+            return base.with_params(**params) if params else base
+        except ValueError as e:
+            raise LowBitKVConfigError(f"lowbit_kv config for {name}: {e}") from None
+
+    def check_model(self, scheme: KVScheme, *, head_dim: int, num_layers: int,
+                    block_size: int | None = None) -> list[str]:
+        """Reasons this configuration cannot serve a model (empty: it can)."""
+        reasons = []
+        T = scheme.block_tokens
+        try:
+            scheme.codecs(head_dim)
+        except ValueError as e:
+            reasons.append(f"head_dim {head_dim}: {e}")
+        if block_size is not None and block_size % T:
+            reasons.append(f"--block-size {block_size} is not a multiple of the scheme's "
+                           f"block_tokens ({T})")
+        if scheme.sink_tokens > T:
+            reasons.append(f"sink_tokens must be at most block_tokens ({T}) in the vLLM backend "
+                           f"(the sinks live in a sequence's first group), got {scheme.sink_tokens}")
+        if scheme.uses_relevance and self.obs_window > T:
+            reasons.append(f"obs_window must be at most block_tokens ({T}) in the vLLM backend "
+                           f"(earlier queries of the window are kept with the partial group), "
+                           f"got {self.obs_window}")
+        bad = [i for i in self.skip_layers if i >= num_layers]
+        if bad:
+            reasons.append(f"skip_layers must be layer indices in [0, {num_layers}), got {bad}")
+        elif self.skip_layers and len(self.skip_layers) == num_layers:
+            reasons.append("skip_layers lists every layer: nothing would be packed "
+                           "(use --kv-cache-dtype auto)")
+        return reasons
+
+    def summary(self, name: str, scheme: KVScheme, *, head_dim: int, num_kv_heads: int,
+                num_layers: int, block_size: int, model_dtype_bytes: int = 2) -> str:
+        """The start-up log line: the effective configuration and its honest bits."""
+        from .paged import PagedLayout
+        import torch
+
+        kc, vc = scheme.codecs(head_dim)
+        dtype = {2: torch.bfloat16, 4: torch.float32}.get(model_dtype_bytes, torch.bfloat16)
+        layout = PagedLayout(kc, vc, num_kv_heads, block_size, min(scheme.sink_tokens, kc.block_tokens),
+                             dtype)
+        packed = scheme.effective_bits(head_dim)
+        page = layout.bits_per_element
+        n_skip = len(self.skip_layers)
+        overall = (page * (num_layers - n_skip) + 8 * model_dtype_bytes * n_skip) / num_layers
+        params = {"k": kc, "v": vc}
+        codec_desc = "; ".join(
+            f"{w} {type(c).__name__}({', '.join(f'{p}={getattr(c, p)!r}' for p in _shown(c))})"
+            for w, c in params.items())
+        return (
+            f"lowbit-kv: --kv-cache-dtype {name} ({scheme.summary}); {codec_desc}; "
+            f"block_tokens={scheme.block_tokens} sink_tokens={scheme.sink_tokens} "
+            f"skip_layers={self.skip_layers} obs_window={self.obs_window}"
+            f"{' (STP relevance)' if scheme.uses_relevance else ''}; set: {self.explicit() or '{}'}. "
+            f"Effective bits/element: groups {packed:.3f} (K {kc.effective_bits:.3f}, "
+            f"V {vc.effective_bits:.3f}), pages {page:.3f} with sink area, "
+            f"{overall:.3f} over all {num_layers} layers ({n_skip} in the model dtype); "
+            f"{layout.page_bytes} B per {block_size}-token page per layer "
+            f"({layout.bytes_per_token:.1f} B/token vs {2 * num_kv_heads * head_dim * model_dtype_bytes} "
+            f"in the model dtype)")
+
+
+def _shown(codec) -> list[str]:
+    import inspect
+
+    names = [p for p in inspect.signature(type(codec).__init__).parameters
+             if p not in ("self", "block_tokens", "head_dim")]
+    return [p for p in names if hasattr(codec, p)]
+
+
+def _explain(e: ValidationError) -> str:
+    known = sorted(LowBitKVConfig.model_fields)
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "(config)"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown field {loc!r}; known fields: {known}")
+        else:
+            field = LowBitKVConfig.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+            ann = getattr(field, "annotation", None)
+            allowed = f" (type {_type_name(ann)})" if ann is not None else ""
+            msg = err["msg"].removeprefix("Value error, ")
+            got = "" if err["type"] == "value_error" else f", got {err.get('input')!r}"
+            parts.append(f"field {loc!r}: {msg}{got}{allowed}")
+    return "lowbit_kv config: " + "; ".join(parts)
+
+
+def _type_name(ann: Any) -> str:
+    s = str(ann)
+    return s.replace("typing.", "").replace("NoneType", "None")
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a ``--lowbit-config`` JSON file: the fields, or ``{"lowbit_kv": {fields}}``."""
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise LowBitKVConfigError(f"--lowbit-config {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise LowBitKVConfigError(f"--lowbit-config {path}: not valid JSON ({e})") from None
+    if isinstance(raw, dict) and set(raw) == {ADDITIONAL_CONFIG_KEY}:
+        raw = raw[ADDITIONAL_CONFIG_KEY]
+    if not isinstance(raw, dict):
+        raise LowBitKVConfigError(f"--lowbit-config {path}: must hold a JSON object, got "
+                                  f"{type(raw).__name__}")
+    return raw
