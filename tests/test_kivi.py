@@ -110,11 +110,3 @@ def test_invalid_configuration_names_field(kwargs, field):
     args = {"block_tokens": 16, "head_dim": 32, **kwargs}
     with pytest.raises(ValueError, match=field):
         KiviCodec(args.pop("block_tokens"), args.pop("head_dim"), **args)
-
-
-def test_wrong_shapes_are_refused():
-    codec = KiviCodec(16, 32)
-    with pytest.raises(ValueError, match="x.shape"):
-        codec.encode(torch.zeros(8, 2, 32))
-    with pytest.raises(ValueError, match="packed"):
-        codec.decode(torch.zeros(2, codec.nbytes + 1, dtype=torch.uint8))

@@ -234,14 +234,6 @@ def test_invalid_params_name_the_field(kwargs, field):
         QuantileCodec(**args)
 
 
-def test_wrong_shapes_refused():
-    codec = QuantileCodec(8, 4)
-    with pytest.raises(ValueError, match="x.shape"):
-        codec.encode(torch.zeros(7, 1, 4))
-    with pytest.raises(ValueError, match="packed"):
-        codec.decode(torch.zeros(1, codec.nbytes + 1, dtype=torch.uint8))
-
-
 # -- the paper's equations, transcribed as plain loops --------------------------------
 
 def _paper_quantile(vals, p):

@@ -1,0 +1,18 @@
+"""What BlockCodec promises for every codec: shapes checked on the way in and out."""
+
+import pytest
+import torch
+
+from vllm_lowbit_kv.codecs import (DynamicCodec, KiviCodec, QuantileCodec, TernaryValueCodec,
+                                   VidKVKeyCodec)
+
+CODECS = [KiviCodec, QuantileCodec, DynamicCodec, VidKVKeyCodec, TernaryValueCodec]
+
+
+@pytest.mark.parametrize("cls", CODECS, ids=lambda c: c.__name__)
+def test_wrong_shapes_are_refused(cls):
+    codec = cls(16, 32)
+    with pytest.raises(ValueError, match="x.shape"):
+        codec.encode(torch.zeros(8, 2, 32))
+    with pytest.raises(ValueError, match="packed"):
+        codec.decode(torch.zeros(2, codec.nbytes + 1, dtype=torch.uint8))
