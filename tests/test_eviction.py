@@ -1,0 +1,170 @@
+"""Eviction policies (FlashCache and baselines): DCT, deviations, budgets, selection."""
+
+import math
+
+import pytest
+import scipy.fft
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_lowbit_kv.eviction import (POLICIES, allocate_budgets, cutoff, dct2, idct2, make_policy,
+                                     outlier_analysis)
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 8, 31, 64, 257])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_dct_matches_scipy_orthonormal_dct2(N, dim):
+    torch.manual_seed(N)
+    x = torch.randn(N, 5, 3, dtype=torch.float64).movedim(0, dim)
+    ref = scipy.fft.dct(x.numpy(), type=2, norm="ortho", axis=dim)
+    c = dct2(x, dim=dim)
+    assert torch.allclose(c, torch.from_numpy(ref), atol=1e-12)
+    assert torch.allclose(idct2(c, dim=dim), x, atol=1e-12)
+    assert torch.allclose(idct2(c, dim=dim), torch.from_numpy(
+        scipy.fft.idct(ref, type=2, norm="ortho", axis=dim)), atol=1e-12)
+    assert math.isclose(float(c.pow(2).sum()), float(x.pow(2).sum()), rel_tol=1e-12)  # Parseval
+
+
+def _literal_reference(k, v, gamma):
+    """Eqs. 6-12 written out with the cosine basis (float64)."""
+    N = k.shape[0]
+    i = torch.arange(N, dtype=torch.float64)
+    a = torch.full((N,), math.sqrt(2 / N), dtype=torch.float64)
+    a[0] = math.sqrt(1 / N)
+    basis = a[:, None] * torch.cos(math.pi * i[:, None] * (2 * i[None, :] + 1) / (2 * N))  # [m, i]
+    w = max(1, int(gamma * N))
+    dev, ratio = 0, 0
+    for x in (k.double(), v.double()):
+        C = torch.einsum("mi,ihd->mhd", basis, x)  # Eq. 6
+        Cf = C.clone()
+        Cf[w:] = 0  # Eq. 8
+        base = torch.einsum("mi,mhd->ihd", basis, Cf)  # Eq. 9
+        dev = dev + (x - base).pow(2).mean(dim=(1, 2))  # Eq. 10
+        P = C.pow(2)  # Eq. 11
+        ratio = ratio + float(P[w:].sum() / P.sum())  # Eq. 12
+    return dev, ratio
+
+
+@pytest.mark.parametrize("N,gamma", [(40, 0.2), (17, 0.1), (64, 0.5), (5, 0.3)])
+def test_outlier_analysis_matches_the_equations(N, gamma):
+    torch.manual_seed(N)
+    k, v = torch.randn(N, 3, 8), torch.randn(N, 3, 8)
+    dev, ratio = outlier_analysis(k, v, gamma)
+    ref_dev, ref_ratio = _literal_reference(k, v, gamma)
+    assert cutoff(N, gamma) == max(1, int(gamma * N))
+    assert torch.allclose(dev.double(), ref_dev, rtol=1e-4, atol=1e-6)
+    assert math.isclose(ratio, ref_ratio, rel_tol=1e-4)
+
+
+def test_outlier_is_the_spike_on_a_smooth_signal():
+    N = 128
+    t = torch.linspace(0, 1, N)
+    k = torch.sin(2 * math.pi * t)[:, None, None].expand(N, 2, 4).clone()
+    v = torch.cos(2 * math.pi * t)[:, None, None].expand(N, 2, 4).clone()
+    k[70] += 3.0
+    dev, ratio = outlier_analysis(k, v, 0.2)
+    assert int(dev.argmax()) == 70
+    _, smooth_ratio = outlier_analysis(torch.sin(2 * math.pi * t)[:, None, None].expand(N, 2, 4),
+                                       v, 0.2)
+    assert ratio > smooth_ratio
+
+
+def test_budgets_follow_the_weights_exactly_when_no_bound_binds():
+    b = allocate_budgets(torch.tensor([1.0, 2, 3, 4]), 100, torch.zeros(4), torch.full((4,), 100))
+    assert b.tolist() == [10, 20, 30, 40]
+    b = allocate_budgets(torch.tensor([1.0, 0, 0, 1]), 30, torch.full((4,), 5), torch.full((4,), 12))
+    assert b.tolist() == [10, 5, 5, 10]
+    b = allocate_budgets(torch.tensor([1.0, 0, 0, 1]), 40, torch.full((4,), 5), torch.full((4,), 12))
+    assert b.tolist() == [12, 8, 8, 12]  # weighted layers full: the rest spreads over the others
+    assert allocate_budgets(torch.zeros(3), 10, torch.zeros(3), torch.full((3,), 10)).tolist() == [4, 3, 3]
+
+
+@given(st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=12), st.data())
+def test_budgets_sum_to_the_global_budget_within_bounds(weights, data):
+    L = len(weights)
+    lo = data.draw(st.lists(st.integers(0, 20), min_size=L, max_size=L))
+    hi = [a + data.draw(st.integers(0, 50)) for a in lo]
+    total = data.draw(st.integers(sum(lo), sum(hi)))
+    b = allocate_budgets(torch.tensor(weights, dtype=torch.float64), total, torch.tensor(lo),
+                         torch.tensor(hi))
+    assert int(b.sum()) == total
+    assert all(lo[i] <= int(b[i]) <= hi[i] for i in range(L))
+    if len(set(lo)) == 1 and len(set(hi)) == 1:  # same bounds: more weight never gets less
+        for i in range(L):
+            for j in range(L):
+                if weights[i] > weights[j]:
+                    assert int(b[i]) >= int(b[j])
+
+
+def _kv(L=4, N=300, H=3, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return ([torch.randn(N, H, D, generator=g) * (1 + i) for i in range(L)],
+            [torch.randn(N, H, D, generator=g) for _ in range(L)])
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("retention", [0.1, 0.25, 0.5, 1.0])
+def test_plans_keep_the_budget_and_the_protected_pairs(name, retention):
+    keys, values = _kv()
+    L, N = len(keys), keys[0].shape[0]
+    plan = make_policy(name, retention, sink_tokens=4, recent_window=16).plan(keys, values)
+    assert plan.total == round(retention * N * L) == int(plan.budgets.sum())
+    for kept, b in zip(plan.kept, plan.budgets):
+        assert kept.numel() == int(b) and 20 <= int(b) <= N
+        assert bool((kept[1:] > kept[:-1]).all()) and 0 <= int(kept[0]) and int(kept[-1]) < N
+        assert {0, 1, 2, 3} | set(range(N - 16, N)) <= set(kept.tolist())
+    if name != "flashcache":  # uniform budgets
+        assert int(plan.budgets.max()) - int(plan.budgets.min()) <= 1
+
+
+def test_policies_choose_what_they_say():
+    keys, values = _kv(L=2, N=200)
+    keys[0][100] += 50.0  # an outlier pair in layer 0
+    rec = make_policy("recency", 0.25, sink_tokens=4, recent_window=8).plan(keys, values)
+    assert rec.kept[0].tolist() == [0, 1, 2, 3] + list(range(200 - 46, 200))
+    fc = make_policy("flashcache", 0.25, sink_tokens=4, recent_window=8).plan(keys, values)
+    assert 100 in fc.kept[0].tolist()
+    dev, _ = outlier_analysis(keys[1], values[1], 0.2)
+    body = torch.arange(200)[4:192]
+    best = body[torch.sort(dev[4:192], descending=True, stable=True).indices[:int(fc.budgets[1]) - 12]]
+    assert set(fc.kept[1].tolist()) == set(best.tolist()) | {0, 1, 2, 3} | set(range(192, 200))
+    r1 = make_policy("random", 0.25, seed=1).plan(keys, values)
+    assert all(torch.equal(a, b) for a, b in zip(r1.kept, make_policy("random", 0.25, seed=1)
+                                                  .plan(keys, values).kept))
+    assert not torch.equal(r1.kept[0], make_policy("random", 0.25, seed=2).plan(keys, values).kept[0])
+
+
+def test_flashcache_budgets_follow_the_outlier_energy():
+    keys, values = _kv(L=3, N=256)
+    t = torch.linspace(0, 1, 256)[:, None, None]
+    keys[1] = torch.sin(2 * math.pi * t).expand(256, 3, 16).clone()  # smooth: little outlier energy
+    values[1] = torch.cos(2 * math.pi * t).expand(256, 3, 16).clone()
+    plan = make_policy("flashcache", 0.3, sink_tokens=0, recent_window=0).plan(keys, values)
+    assert int(plan.budgets[1]) < int(plan.budgets[0]) and int(plan.budgets[1]) < int(plan.budgets[2])
+    assert plan.total == round(0.3 * 256 * 3)
+
+
+def test_tiny_retention_keeps_the_protected_pairs_anyway():
+    keys, values = _kv(L=2, N=100)
+    plan = make_policy("flashcache", 0.05, sink_tokens=4, recent_window=16).plan(keys, values)
+    assert plan.budgets.tolist() == [20, 20] and plan.retention_effective == 0.2
+
+
+@pytest.mark.parametrize("kw,field,allowed", [
+    (dict(retention=0), "retention", "(0, 1]"), (dict(retention=1.5), "retention", "(0, 1]"),
+    (dict(retention=-0.2), "retention", "(0, 1]"), (dict(retention="0.2"), "retention", "(0, 1]"),
+    (dict(retention=0.2, gamma=0), "gamma", "(0, 1)"), (dict(retention=0.2, gamma=1.0), "gamma", "(0, 1)"),
+    (dict(retention=0.2, sink_tokens=-1), "sink_tokens", ">= 0"),
+    (dict(retention=0.2, recent_window=2.5), "recent_window", ">= 0"),
+])
+def test_bad_parameters_name_the_field_and_the_range(kw, field, allowed):
+    with pytest.raises(ValueError) as e:
+        make_policy("flashcache", **kw)
+    assert str(e.value).startswith(field) and allowed in str(e.value)
+
+
+def test_unknown_policy_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"eviction policy must be one of \['flashcache', 'random', "
+                                         r"'recency', 'uniform'\]"):
+        make_policy("h2o", 0.2)
