@@ -168,3 +168,115 @@ def test_unknown_policy_lists_the_known_ones():
     with pytest.raises(ValueError, match=r"eviction policy must be one of \['flashcache', 'random', "
                                          r"'recency', 'uniform'\]"):
         make_policy("h2o", 0.2)
+
+
+# ----------------------------------------------------------------------------- HF cache
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from vllm_lowbit_kv.hf_cache import COMPACTED_ATTENTION, LowBitKVCache  # noqa: E402
+from vllm_lowbit_kv.schemes import get_scheme  # noqa: E402
+
+HF_LAYERS, HF_HEADS, HF_DIM = 3, 2, 64
+
+
+@pytest.fixture()
+def tiny_model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=192,
+                      num_hidden_layers=HF_LAYERS, num_attention_heads=4,
+                      num_key_value_heads=HF_HEADS, head_dim=HF_DIM, max_position_embeddings=1024,
+                      attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _prefill(model, cache, ids, chunk):
+    with torch.no_grad():
+        for s in range(0, ids.shape[1], chunk):
+            logits = model(ids[:, s:s + chunk], past_key_values=cache, use_cache=True).logits
+    return logits[0, -1]
+
+
+def test_compaction_keeps_exactly_the_chosen_pairs_bf16(tiny_model):
+    ids = torch.randint(0, 128, (1, 150), generator=torch.Generator().manual_seed(1))
+    cache = LowBitKVCache(None, model=tiny_model, evictable=True)
+    _prefill(tiny_model, cache, ids, 64)
+    exact = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    plan = cache.evict(make_policy("flashcache", 0.3, sink_tokens=2, recent_window=8), tiny_model)
+    assert tiny_model.config._attn_implementation == COMPACTED_ATTENTION
+    assert cache.get_seq_length() == 150  # positions stay logical
+    for layer, (k, v), kept in zip(cache.layers, exact, plan.kept):
+        assert torch.equal(layer.keys, k[:, :, kept]) and torch.equal(layer.values, v[:, :, kept])
+        assert torch.equal(layer.key_pos, kept)
+    assert cache.memory_report()["stored_tokens"] == plan.total
+
+
+@pytest.mark.parametrize("scheme", ["kivi2", "vidkv"])
+def test_compaction_quantizes_the_kept_exact_pairs_in_groups(tiny_model, scheme):
+    sch = get_scheme(scheme).with_params(block_tokens=16)
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(2))
+    cache = LowBitKVCache(sch, model=tiny_model, sink_tokens=4, evictable=True, relevance="none")
+    _prefill(tiny_model, cache, ids, 50)
+    exact = [layer.exact() for layer in cache.layers]
+    plan = cache.evict(make_policy("random", 0.4, sink_tokens=4, recent_window=5), tiny_model)
+    for layer, (k, v), kept in zip(cache.layers, exact, plan.kept):
+        kk, vv = k[:, :, kept].float(), v[:, :, kept].float()
+        n = kept.numel()
+        groups = (n - 4) // 16
+        m = 4 + groups * 16
+        dk, dv = layer.decoded()
+        assert dk.shape[-2] == n and layer.n_blocks == groups
+        assert torch.equal(dk[:, :, :4].float(), kk[:, :, :4])  # sinks exact
+        assert torch.equal(dk[:, :, m:].float(), kk[:, :, m:])  # tail exact
+        kc, vc = sch.codecs(HF_DIM, 16)
+        blocks = kk[:, :, 4:m].reshape(1, HF_HEADS, groups, 16, HF_DIM).permute(0, 2, 3, 1, 4)
+        ref = kc.decode(kc.encode(blocks)).permute(0, 3, 1, 2, 4).reshape(1, HF_HEADS, m - 4, HF_DIM)
+        assert torch.allclose(dk[:, :, 4:m].float(), ref, atol=1e-2, rtol=1e-2)
+        assert layer.exact_k == []  # the exact copy is gone
+
+
+def test_decode_after_eviction_matches_attention_over_the_kept_set(tiny_model):
+    """Reference: a DynamicCache holding each layer's kept pairs, decoded at logical positions."""
+    ids = torch.randint(0, 128, (1, 180), generator=torch.Generator().manual_seed(3))
+    cache = LowBitKVCache(None, model=tiny_model, evictable=True)
+    _prefill(tiny_model, cache, ids, 60)
+    exact = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    plan = cache.evict(make_policy("flashcache", 0.25, sink_tokens=4, recent_window=8), tiny_model)
+    assert len(set(plan.budgets.tolist())) > 1  # layers of different lengths
+    ref = DynamicCache()
+    for i, ((k, v), kept) in enumerate(zip(exact, plan.kept)):
+        ref.update(k[:, :, kept], v[:, :, kept], i)
+    nxt = torch.tensor([[7, 9, 11, 13]])
+    with torch.no_grad():
+        chunk = tiny_model(nxt, past_key_values=cache, use_cache=True).logits[0]
+        steps = []
+        for t in range(nxt.shape[1]):  # the reference decodes token by token (no mask needed)
+            pos = torch.tensor([[180 + t]])
+            steps.append(tiny_model(nxt[:, t:t + 1], past_key_values=ref, use_cache=True,
+                                    position_ids=pos).logits[0, -1])
+    assert torch.allclose(chunk, torch.stack(steps), atol=1e-4, rtol=1e-4)
+
+
+def test_eviction_refuses_what_it_cannot_do(tiny_model):
+    cache = LowBitKVCache(None, model=tiny_model)
+    _prefill(tiny_model, cache, torch.tensor([[1, 2, 3, 4]]), 4)
+    with pytest.raises(ValueError, match="evictable=True"):
+        cache.evict(make_policy("recency", 0.5, sink_tokens=1, recent_window=1), tiny_model)
+    cache = LowBitKVCache(None, model=tiny_model, evictable=True)
+    _prefill(tiny_model, cache, torch.tensor([[1, 2, 3, 4]]), 4)
+    cache.evict(make_policy("recency", 0.5, sink_tokens=1, recent_window=1), tiny_model)
+    with pytest.raises(ValueError, match="not evicted yet"):
+        cache.evict(make_policy("recency", 0.5, sink_tokens=1, recent_window=1), tiny_model)
+
+
+def test_stp_relevance_after_eviction_runs_on_original_positions(tiny_model):
+    sch = get_scheme("vidkv_stp").with_params(block_tokens=16)
+    cache = LowBitKVCache(sch, model=tiny_model, evictable=True, obs_window=8)
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(4))
+    _prefill(tiny_model, cache, ids, 40)
+    plan = cache.evict(make_policy("flashcache", 0.5, sink_tokens=4, recent_window=8), tiny_model)
+    assert all(layer.n_blocks == int(b) // 16 for layer, b in zip(cache.layers, plan.budgets))
+    with torch.no_grad():  # decode across a group boundary: the new group's relevance too
+        for t in range(20):
+            logits = tiny_model(torch.tensor([[t + 1]]), past_key_values=cache, use_cache=True).logits
+            assert bool(torch.isfinite(logits).all())
+    assert cache.get_seq_length() == 140
