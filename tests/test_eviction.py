@@ -280,3 +280,92 @@ def test_stp_relevance_after_eviction_runs_on_original_positions(tiny_model):
             logits = tiny_model(torch.tensor([[t + 1]]), past_key_values=cache, use_cache=True).logits
             assert bool(torch.isfinite(logits).all())
     assert cache.get_seq_length() == 140
+
+
+# ----------------------------------------------------------------------------- paged layout
+from vllm_lowbit_kv.eviction.paged import (compact_request, compacted_read_plan,  # noqa: E402
+                                           paged_geometry)
+from vllm_lowbit_kv.paged import (PagedLayout, Staging, StagingAllocator, attend,  # noqa: E402
+                                  forward_layer)
+
+PH, PD, PT, PBS = 3, 64, 16, 32
+
+
+def test_plan_for_pages_keeps_the_tail_and_whole_groups():
+    keys, values = _kv(L=3, N=150, H=3, D=16)
+    pol = make_policy("flashcache", 0.2, sink_tokens=4, recent_window=8)
+    geo = paged_geometry(150, PBS, PT, pol, 2.0)
+    assert (geo.keep_from, geo.region_cap, geo.kept_blocks) == (128, 64, 2)
+    assert list(geo.freed_blocks) == [2, 3]
+    plan = pol.plan(keys, values, keep_from=geo.keep_from, max_layer_budget=geo.max_layer_budget,
+                    group=PT)
+    for kept in plan.kept:
+        region = kept[kept < 128]
+        assert region.numel() % PT == 0 and region.numel() <= geo.region_cap
+        assert set(range(128, 150)) <= set(kept.tolist()) and {0, 1, 2, 3} <= set(kept.tolist())
+
+
+def _paged_request(scheme, N, sinks, seed=0, layers=2, chunk=40):
+    """One request prefilled through the real write path, ``layers`` layers (pages and
+    staging of their own, one StagingAllocator: vLLM's builder plans once for all)."""
+    kc, vc = get_scheme(scheme).codecs(PD, PT)
+    layout = PagedLayout(kc, vc, PH, PBS, sinks)
+    alloc = StagingAllocator(4, PT, sinks)
+    g = torch.Generator().manual_seed(seed)
+    table = torch.tensor([5, 1, 7, 3, 9, 2, 8, 4])  # block ids in logical order
+    state = []
+    for _ in range(layers):
+        pages = torch.zeros(layout.page_shape(12), dtype=torch.uint8)
+        staging = Staging.allocate(4, PT, PH, PD, torch.bfloat16)
+        k = torch.randn(N + 4, PH, PD, generator=g).bfloat16().float()
+        v = torch.randn(N + 4, PH, PD, generator=g).bfloat16().float()
+        state.append((pages, staging, k, v))
+    for s in range(0, N, chunk):
+        pos = torch.arange(s, min(N, s + chunk))
+        wp, rp = alloc.plan_step(table[pos // PBS] * PBS + pos % PBS, [int(pos[-1]) + 1],
+                                 [0, pos.numel()], table[None], layout.groups_per_block)
+        for pages, staging, k, v in state:
+            out = torch.zeros(pos.numel(), PH, PD)
+            forward_layer(wp, rp, layout, k[pos], k[pos], v[pos], pages, staging, PD ** -0.5, out)
+    return layout, alloc, table, state
+
+
+@pytest.mark.parametrize("scheme,sinks", [("kivi4", 4), ("vidkv", 0)])
+def test_paged_compaction_and_decode_match_the_kept_set(scheme, sinks):
+    N = 150
+    layout, alloc, table, state = _paged_request(scheme, N, sinks)
+    pol = make_policy("flashcache", 0.25, sink_tokens=4, recent_window=8)
+    geo = paged_geometry(N, PBS, PT, pol, 2.0)
+    n_enc = N // PT
+    slot = alloc.slot_of[int(table[n_enc // 2]) * 2 + n_enc % 2]
+    from vllm_lowbit_kv.eviction.paged import request_context
+    before = [request_context(layout, p, s, table.tolist(), N, slot) for p, s, _, _ in state]
+    plan = pol.plan([k for k, _ in before], [v for _, v in before], keep_from=geo.keep_from,
+                    max_layer_budget=geo.max_layer_budget, group=PT)
+    kept = compact_request(geo, pol, [(layout, p, s) for p, s, _, _ in state], table.tolist(), slot)
+    # decode one token at position N: one plan for all layers, then each layer's compacted reads
+    wp, rp = alloc.plan_step(table[N // PBS:N // PBS + 1] * PBS + N % PBS, [N + 1], [0, 1],
+                             table[None], layout.groups_per_block)
+    for (pages, staging, k, v), (ck, cv), pos, n in zip(state, before, plan.kept, kept):
+        region = pos[pos < geo.keep_from]
+        assert n == region.numel()
+        # compaction keeps exactly the chosen pairs: the first n/T groups hold them, encoded
+        tk = ck[region].reshape(-1, PT, PH, PD).clone()
+        tv = cv[region].reshape(-1, PT, PH, PD).clone()
+        if 0 < sinks < PT:
+            tk[0, :sinks], tv[0, :sinks] = tk[0, sinks:].mean(0), tv[0, sinks:].mean(0)
+        ref_k, ref_v = layout.decode(layout.encode(tk, tv))
+        ref_k, ref_v = ref_k.reshape(-1, PH, PD), ref_v.reshape(-1, PH, PD)
+        ref_k[:sinks], ref_v[:sinks] = ck[:sinks], cv[:sinks]
+        for b in geo.freed_blocks:  # given back: whatever lands there is never read
+            pages[int(table[b])] = 255
+        g = torch.arange(n // PT)
+        lrp = compacted_read_plan(rp, {0: (geo.keep_from, n, table[g // 2] * 2 + g % 2)}, PT)
+        assert lrp.ctx_len == [n + N - geo.keep_from]
+        q = torch.randn(1, PH, PD)
+        out = torch.zeros(1, PH, PD)
+        forward_layer(wp, lrp, layout, q, k[N:N + 1], v[N:N + 1], pages, staging, PD ** -0.5, out)
+        keys = torch.cat([ref_k, ck[geo.keep_from:], k[N:N + 1]])
+        vals = torch.cat([ref_v, cv[geo.keep_from:], v[N:N + 1]])
+        expect = attend(q, keys, vals, keys.shape[0] - 1, PD ** -0.5)
+        assert torch.allclose(out, expect, atol=1e-5, rtol=1e-5)

@@ -14,6 +14,14 @@ sorted kept token positions of every layer. Common rules:
   (:attr:`EvictionPlan.retention_effective` says what was kept).
 * The rest of a layer's budget goes to its highest-scoring unprotected pairs
   (ties: the earlier position).
+* Paged engines (:meth:`EvictionPolicy.plan` with ``keep_from``, ``group`` and
+  ``max_layer_budget``): positions from ``keep_from`` on are protected too (the
+  prompt's last, partial block stays in place), a layer keeps at most
+  ``max_layer_budget`` pairs (so the scheduler knows how many blocks the
+  compacted pairs need before seeing the data), and the kept pairs below
+  ``keep_from`` come in whole groups of ``group`` (the next-best pairs fill the
+  last group), so budgets may exceed the global budget by less than ``group``
+  per layer.
 
 Policies (``POLICIES``, the names ``--kv-eviction`` takes):
 
@@ -116,8 +124,11 @@ class EvictionPolicy:
         pos = torch.arange(num_tokens)
         return (pos < self.sink_tokens) | (pos >= num_tokens - self.recent_window)
 
-    def plan(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> EvictionPlan:
-        """keys, values: per layer [N, H, D] (the same N for every layer)."""
+    def plan(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], *,
+             keep_from: int | None = None, max_layer_budget: int | None = None, group: int = 1
+             ) -> EvictionPlan:
+        """keys, values: per layer [N, H, D] (the same N for every layer). ``keep_from``,
+        ``max_layer_budget``, ``group``: see the module docstring (paged engines)."""
         L = len(keys)
         require(L >= 1 and len(values) == L, "keys/values", "one [N, H, D] tensor per layer, "
                 "as many values as keys", (L, len(values)))
@@ -125,12 +136,18 @@ class EvictionPolicy:
         require(all(int(k.shape[0]) == N for k in keys), "prompt tokens per layer",
                 f"equal across layers ({N})", [int(k.shape[0]) for k in keys])
         prot = self.protected(N)
+        region = N if keep_from is None else keep_from
+        require(isinstance(group, int) and group >= 1 and (region == N or region % group == 0),
+                "group", f"an int >= 1 dividing keep_from ({region})", group)
+        prot[region:] = True
         n_prot = int(prot.sum())
+        hi = N if max_layer_budget is None else max(n_prot, min(N, max_layer_budget))
         scores, weights = self.score_layers(keys, values)
-        total = max(_round_half_up(self.retention * N * L), n_prot * L)
+        total = min(max(_round_half_up(self.retention * N * L), n_prot * L), hi * L)
         budgets = allocate_budgets(torch.ones(L) if weights is None else weights, total,
-                                   torch.full((L,), n_prot), torch.full((L,), N))
-        kept = tuple(_select(s, prot, int(b)) for s, b in zip(scores, budgets))
+                                   torch.full((L,), n_prot), torch.full((L,), hi))
+        kept = tuple(_select(s, prot, int(b), region, group) for s, b in zip(scores, budgets))
+        budgets = torch.tensor([k.numel() for k in kept], dtype=torch.long)
         return EvictionPlan(self.name, self.retention, N, kept, budgets, weights)
 
 
@@ -138,13 +155,16 @@ def _round_half_up(x: float) -> int:
     return int(math.floor(x + 0.5))
 
 
-def _select(scores: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:
-    """The protected positions plus the ``budget - protected`` best others, sorted."""
+def _select(scores: torch.Tensor, protected: torch.Tensor, budget: int, region: int,
+            group: int) -> torch.Tensor:
+    """The protected positions plus the ``budget - protected`` best others, sorted; the
+    kept positions below ``region`` rounded up to a multiple of ``group`` with the next best."""
     s = scores.float().masked_fill(protected, float("-inf"))
     order = torch.sort(s, descending=True, stable=True).indices  # ties: earlier position first
-    extra = order[:budget - int(protected.sum())]
+    n = budget - int(protected.sum())
+    n += -(int(protected[:region].sum()) + n) % group  # protected pairs past region are all kept
     keep = protected.clone()
-    keep[extra] = True
+    keep[order[:n]] = True
     return torch.nonzero(keep).flatten()
 
 
