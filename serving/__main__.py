@@ -20,7 +20,10 @@ point is not required in this process.
 ``--kv-eviction POLICY --kv-retention R`` (ours) turn on KV eviction after each
 request's prefill (:mod:`vllm_lowbit_kv.vllm_eviction`): shorthands for the
 ``lowbit_kv`` fields ``eviction`` and ``retention``, merged the same way
-(``--kv-eviction-gamma G`` sets ``eviction_gamma``).
+(``--kv-eviction-gamma G`` sets ``eviction_gamma``). With eviction on, prefix
+caching is turned off unless a prefix-caching flag is given (eviction rewrites
+a request's blocks, so they cannot be shared; an explicit
+``--enable-prefix-caching`` is refused at start-up with the reason).
 """
 
 from __future__ import annotations
@@ -88,6 +91,9 @@ def _merge_lowbit_config(argv: list[str]) -> list[str]:
     except LowBitKVConfigError as e:
         raise SystemExit(f"python -m serving: {e}")
     additional[ADDITIONAL_CONFIG_KEY] = fields
+    if fields.get("eviction") and not any(a.startswith(("--enable-prefix-caching",
+                                                        "--no-enable-prefix-caching")) for a in argv):
+        argv.append("--no-enable-prefix-caching")  # eviction rewrites blocks: nothing to share
     return [*argv, "--additional-config", json.dumps(additional)]
 
 
