@@ -19,9 +19,28 @@ Metrics (DESIGN.md, "How quality is measured"), each scheme against the
   bf16 reference (at most ``--agreement-tokens``), averaged over
   ``--agreement-prompts`` prompts cut from the text after the perplexity span.
 
+Eviction (``--kv-eviction POLICY[,POLICY...] --kv-retention R[,R...]``,
+policies of :mod:`vllm_lowbit_kv.eviction`): every scheme also runs once per
+(policy, retention), each a row with ``eviction`` and ``retention`` set (the
+scheme's plain row has both ``null``). The KV is evicted once per sequence,
+after its prompt's prefill, prompt tokens only:
+
+* ``ppl``: the first ``--eviction-prompt-tokens`` P tokens of the text (a
+  multiple of ``--chunk``; default half of the text) are the prompt: prefilled
+  in chunks, then evicted; the rest is fed in chunks of ``--chunk`` and the
+  perplexity is over the tokens predicted after eviction, ``ids[P+1:]``. Every
+  row of an eviction run, the plain ones included, scores exactly those tokens.
+* ``passkey``: the whole prompt (filler, needle, question) is prefilled, the
+  first answer token comes from the prefill, the KV is evicted, the rest of
+  the answer is decoded from the evicted cache.
+* ``agreement``: each prompt is prefilled and evicted, then decoded.
+
+An engine runs all variants of one prompt from one prefill
+(:meth:`Engine.logprobs_variants`, :meth:`Engine.greedy_variants`).
+
 The model runs behind an :class:`Engine` (``--engine``); ``hf`` is
 transformers + :class:`vllm_lowbit_kv.hf_cache.LowBitKVCache`. A serving
-engine (vLLM) implements the same three methods.
+engine (vLLM) implements the same methods.
 """
 
 from __future__ import annotations
@@ -60,6 +79,8 @@ class Engine(ABC):
     kv_cache_dtype: str
     head_dim: int
     max_positions: int
+    #: False: an eviction policy is refused with :meth:`eviction_refusal`
+    supports_eviction: bool = False
 
     @abstractmethod
     def logprobs_teacher_forced(self, ids: Sequence[int], chunk: int) -> torch.Tensor:
@@ -80,6 +101,32 @@ class Engine(ABC):
     def effective_bits(self) -> float:
         return 16.0
 
+    def eviction_refusal(self) -> str | None:
+        """Why this engine cannot evict (None: it can)."""
+        return None if self.supports_eviction else f"{type(self).__name__} does not evict"
+
+    def _refuse_eviction(self, policies: Sequence[Any]) -> None:
+        if any(p is not None for p in policies) and self.eviction_refusal():
+            raise ValueError(f"--kv-eviction: {self.eviction_refusal()}")
+
+    def logprobs_variants(self, ids: Sequence[int], chunk: int, prompt_tokens: int,
+                          policies: Sequence[Any]) -> list[dict[str, Any]]:
+        """Per eviction policy (None: no eviction): ``logprobs`` float32 ``[len(ids) - 1 -
+        prompt_tokens]``, log p(ids[i+1] | ids[:i+1]) for i >= prompt_tokens, with the first
+        ``prompt_tokens`` tokens prefilled in chunks and then evicted; ``plan`` (the eviction
+        plan's summary) and ``kv_memory``. Engines that cannot evict run None only."""
+        self._refuse_eviction(policies)
+        return [dict(logprobs=self.logprobs_teacher_forced(ids, chunk)[prompt_tokens:], plan=None,
+                     kv_memory=self.kv_memory()) for _ in policies]
+
+    def greedy_variants(self, ids: Sequence[int], n: int, chunk: int, policies: Sequence[Any],
+                        references: Sequence[Sequence[int] | None] | None = None) -> list[list[int]]:
+        """:meth:`greedy` per eviction policy (None: no eviction), the KV evicted after the
+        prompt's prefill; ``references`` per policy as :meth:`greedy`'s."""
+        self._refuse_eviction(policies)
+        refs = references or [None] * len(policies)
+        return [self.greedy(ids, n, chunk, reference=r) for r in refs]
+
 
 @lru_cache(maxsize=2)
 def _load_hf(model_dir: str):
@@ -90,6 +137,8 @@ def _load_hf(model_dir: str):
 
 class HFEngine(Engine):
     """transformers model + LowBitKVCache (DynamicCache for the bf16 reference)."""
+
+    supports_eviction = True
 
     def __init__(self, model_dir: str | Path, kv_cache_dtype: str, *, block_tokens: int | None = None,
                  sink_tokens: int | None = None, skip_layers: Sequence[int] = (),
@@ -105,14 +154,16 @@ class HFEngine(Engine):
                              skip_layers=tuple(skip_layers), relevance=relevance)
         self._last_cache = None
 
-    def new_cache(self):
+    def new_cache(self, evictable: bool = False):
         from transformers import DynamicCache
 
         from vllm_lowbit_kv.hf_cache import LowBitKVCache
-        if self.scheme is None:
+        if self.scheme is None and not evictable:
             cache = DynamicCache()
+        elif self.scheme is None:  # bf16 with eviction: every layer in the model dtype
+            cache = LowBitKVCache(None, model=self.model, evictable=True)
         else:
-            cache = LowBitKVCache(self.scheme, model=self.model, **self.cache_kw)
+            cache = LowBitKVCache(self.scheme, model=self.model, evictable=evictable, **self.cache_kw)
         self._last_cache = cache
         return cache
 
@@ -155,6 +206,50 @@ class HFEngine(Engine):
                 return out
             logits = self.model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1]
 
+    def _variants(self, cache, policies):
+        """(policy, a cache to evict with it) per policy; the last one reuses ``cache``."""
+        import copy
+        for i, pol in enumerate(policies):
+            c = cache if i == len(policies) - 1 else copy.deepcopy(cache)
+            plan = c.evict(pol, self.model).summary() if pol is not None else None
+            yield c, plan
+
+    @torch.inference_mode()
+    def logprobs_variants(self, ids, chunk, prompt_tokens, policies):
+        require_chunked(prompt_tokens, chunk)
+        t = torch.as_tensor(list(ids), dtype=torch.long)[None]
+        evicting = any(p is not None for p in policies)
+        cache = self.new_cache(evictable=evicting)
+        for s in range(0, prompt_tokens, chunk):
+            self.model(t[:, s:s + chunk], past_key_values=cache, use_cache=True)
+        out = []
+        for c, plan in self._variants(cache, policies):
+            lp = []
+            for s in range(prompt_tokens, t.shape[1] - 1, chunk):
+                logits = self.model(t[:, s:min(s + chunk, t.shape[1] - 1)], past_key_values=c,
+                                    use_cache=True).logits[0]
+                tgt = t[0, s + 1:s + 1 + logits.shape[0]]
+                lp.append(torch.log_softmax(logits.float(), -1).gather(-1, tgt[:, None])[:, 0])
+            self._last_cache = c
+            out.append(dict(logprobs=torch.cat(lp), plan=plan, kv_memory=self.kv_memory()))
+        return out
+
+    @torch.inference_mode()
+    def greedy_variants(self, ids, n, chunk, policies, references=None):
+        t = torch.as_tensor(list(ids), dtype=torch.long)[None]
+        cache = self.new_cache(evictable=any(p is not None for p in policies))
+        first = int(self._prefill(cache, t, chunk, keep_logits=False).argmax())
+        refs = references or [None] * len(policies)
+        outs = []
+        for (c, _), ref in zip(self._variants(cache, policies), refs):
+            out, tok = [first], first
+            while len(out) < n and not (ref is not None and (len(out) > len(ref) or tok != ref[len(out) - 1])):
+                tok = int(self.model(torch.tensor([[tok]]), past_key_values=c,
+                                     use_cache=True).logits[0, -1].argmax())
+                out.append(tok)
+            outs.append(out)
+        return outs
+
     def kv_memory(self):
         c = self._last_cache
         if c is None:
@@ -175,6 +270,12 @@ class HFEngine(Engine):
 ENGINES: dict[str, type[Engine] | str] = {"hf": HFEngine, "vllm": "bench.vllm_engine:VllmEngine"}
 #: KV dtypes an engine serves itself (not schemes of vllm_lowbit_kv.schemes): vLLM's own fp8.
 ENGINE_NATIVE_DTYPES: dict[str, tuple[str, ...]] = {"vllm": ("fp8",)}
+
+
+def require_chunked(prompt_tokens: int, chunk: int) -> None:
+    if prompt_tokens < 0 or prompt_tokens % chunk:
+        raise ValueError(f"--eviction-prompt-tokens must be a multiple of --chunk ({chunk}) and >= 0, "
+                         f"got {prompt_tokens}")
 
 
 def make_engine(kind: str, model_dir, kv_cache_dtype: str, **kw) -> Engine:
@@ -235,7 +336,7 @@ def format_table(rows: list[dict], lengths: Sequence[int]) -> str:
     for r in rows:
         by = r.get("passkey_by_length") or {}
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-        lines.append([r["scheme"], fmt(r["effective_bits"], ".3f"), fmt(r["ppl"], ".3f"),
+        lines.append([r.get("label", r["scheme"]), fmt(r["effective_bits"], ".3f"), fmt(r["ppl"], ".3f"),
                       fmt(r["ppl_ratio_vs_bf16"], ".3f"), fmt(r["passkey_acc"], ".2f")]
                      + [fmt(by.get(str(L)), ".2f") for L in lengths]
                      + [fmt(r["agreement"], ".1f"), fmt(r.get("seconds"), ".0f")])
@@ -283,6 +384,47 @@ def plot(rows: list[dict], path: str | Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_eviction(rows: list[dict], path: str | Path, title: str) -> None:
+    """PPL and passkey accuracy vs retention, one line per (scheme, policy); dashed: the
+    scheme without eviction."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    schemes = list(dict.fromkeys(r["scheme"] for r in rows))
+    policies = list(dict.fromkeys(r["eviction"] for r in rows if r["eviction"]))
+    colors = dict(zip(policies, ["tab:red", "tab:blue", "tab:green", "tab:orange", "tab:purple"]))
+    fig, axes = plt.subplots(2, len(schemes), figsize=(4.5 * len(schemes), 7), squeeze=False)
+    for j, sch in enumerate(schemes):
+        plain = next(r for r in rows if r["scheme"] == sch and not r["eviction"])
+        for i, (key, label) in enumerate((("ppl", "PPL after eviction (log)"),
+                                          ("passkey_acc", "passkey accuracy"))):
+            ax = axes[i][j]
+            if plain[key] is not None:
+                ax.axhline(plain[key], color="gray", ls="--", lw=1, label=f"{sch}, no eviction")
+            for pol in policies:
+                pts = sorted((r["retention"], r[key]) for r in rows
+                             if r["scheme"] == sch and r["eviction"] == pol and r[key] is not None)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", color=colors[pol], label=pol)
+            ax.set_xscale("log")
+            rets = sorted({r["retention"] for r in rows if r["retention"]})
+            ax.set_xticks(rets, [f"{x:g}" for x in rets])
+            ax.minorticks_off()
+            if key == "ppl":
+                ax.set_yscale("log")
+                ax.set_title(f"{sch}", fontsize=10)
+            else:
+                ax.set_ylim(-0.05, 1.05)
+                ax.set_xlabel("retention (kept fraction of prompt KV pairs)")
+            ax.set_ylabel(label)
+            ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # ----------------------------------------------------------------------------- driver
 def _int_list(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()] if s and s.strip().lower() != "none" else []
@@ -290,6 +432,24 @@ def _int_list(s: str) -> list[int]:
 
 def passkey_chunk(length: int, args: argparse.Namespace) -> int:
     return max(args.chunk, -(-length // args.passkey_chunks))
+
+
+def eviction_variants(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """``[(label, policy)]``: ``(scheme label, None)`` first, then every (policy, retention)."""
+    if not args.kv_eviction:
+        return [("", None)]
+    from vllm_lowbit_kv.eviction import make_policy
+    kw = {k: v for k, v in (("gamma", args.eviction_gamma), ("sink_tokens", args.eviction_sink_tokens),
+                            ("recent_window", args.eviction_recent_window)) if v is not None}
+    out: list[tuple[str, Any]] = [("", None)]
+    for name in dict.fromkeys(args.kv_eviction):
+        for r in dict.fromkeys(args.kv_retention):
+            try:
+                pol = make_policy(name, r, seed=args.seed, **kw)
+            except ValueError as e:
+                raise SystemExit(f"--kv-eviction {name} --kv-retention {r}: {e}") from None
+            out.append((f"{name}@{r:g}", pol))
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -322,6 +482,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-layers", default="", help="comma-separated layers kept in bf16")
     p.add_argument("--relevance", default="auto", choices=["auto", "attention", "keynorm", "none"],
                    help="STP relevance (LowBitKVCache): auto = attention mass of the last queries")
+    p.add_argument("--kv-eviction", default=None,
+                   help="comma-separated eviction policies (flashcache, uniform, random, recency): "
+                        "every scheme also runs with each (policy, retention), the KV evicted once "
+                        "after each prompt's prefill")
+    p.add_argument("--kv-retention", default="0.2",
+                   help="comma-separated retention ratios in (0, 1] (kept fraction of the prompt's KV pairs)")
+    p.add_argument("--eviction-gamma", type=float, default=None,
+                   help="FlashCache low-pass cut-off factor in (0, 1) [0.2]")
+    p.add_argument("--eviction-sink-tokens", type=int, default=None,
+                   help="first prompt tokens every policy keeps [4]")
+    p.add_argument("--eviction-recent-window", type=int, default=None,
+                   help="last prompt tokens every policy keeps [32]")
+    p.add_argument("--eviction-prompt-tokens", type=int, default=None,
+                   help="perplexity with eviction: this many leading tokens (a multiple of --chunk) are "
+                        "the prompt, evicted after their prefill; PPL is over the tokens after them "
+                        "[half the PPL tokens]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="smaller defaults: 1024 PPL tokens, passkey 1024,2048, 32 agreement tokens")
@@ -339,6 +515,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, k, v)
     args.passkey_lengths = _int_list(args.passkey_lengths)
     args.skip_layers = _int_list(args.skip_layers)
+    args.kv_eviction = [x.strip() for x in (args.kv_eviction or "").split(",") if x.strip()]
+    try:
+        args.kv_retention = [float(x) for x in args.kv_retention.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--kv-retention must be comma-separated numbers in (0, 1], got "
+                         f"{args.kv_retention!r}") from None
     for name in ("max_tokens", "chunk", "agreement_prompt_tokens", "passkey_chunks"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
@@ -366,6 +548,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                                                            ("sink_tokens", args.sink_tokens))
                                          if v is not None})
 
+    variants = eviction_variants(args)  # refuse bad eviction settings before any work
+
     if args.model is None:
         from vllm_lowbit_kv.model import prepare_model
         args.model = str(prepare_model())
@@ -380,11 +564,21 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
     ppl_ids = all_ids[:args.max_tokens]
     if len(ppl_ids) < 2:
         raise SystemExit("the text has fewer than 2 tokens")
+    prompt_tokens = 0  # PPL scores ids[prompt_tokens + 1:]
+    if args.kv_eviction:
+        prompt_tokens = args.eviction_prompt_tokens
+        if prompt_tokens is None:
+            prompt_tokens = len(ppl_ids) // 2 // args.chunk * args.chunk
+        if prompt_tokens < 1 or prompt_tokens % args.chunk or prompt_tokens >= len(ppl_ids) - 1:
+            raise SystemExit(f"--eviction-prompt-tokens must be a positive multiple of --chunk "
+                             f"({args.chunk}) below the {len(ppl_ids)} PPL tokens, got {prompt_tokens}")
     prompts = agreement_prompts(all_ids, len(ppl_ids), args.agreement_prompts, args.agreement_prompt_tokens)
     cells = passkey_cells(args.passkey_lengths, args.passkey_trials, args.seed)
     eng_kw = dict(block_tokens=args.block_tokens, sink_tokens=args.sink_tokens, skip_layers=args.skip_layers,
                   relevance=args.relevance)
     probe = make_engine(args.engine, args.model, REFERENCE, **eng_kw)
+    if args.kv_eviction and probe.eviction_refusal():
+        raise SystemExit(f"--kv-eviction with --engine {args.engine}: {probe.eviction_refusal()}")
     too_long = [L for L in args.passkey_lengths if L > probe.max_positions]
     if too_long:
         raise SystemExit(f"--passkey-lengths {too_long} exceed the model's {probe.max_positions} positions")
@@ -401,9 +595,17 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                       agreement_tokens=args.agreement_tokens, block_tokens=args.block_tokens,
                       sink_tokens=args.sink_tokens, skip_layers=args.skip_layers, seed=args.seed,
                       relevance=args.relevance,
+                      eviction=dict(policies=args.kv_eviction, retentions=args.kv_retention,
+                                    **{k: v for k, v in variants[-1][1].describe().items()
+                                       if k not in ("policy", "retention")},
+                                    ppl_prompt_tokens=prompt_tokens,
+                                    ppl_scored_tokens=len(ppl_ids) - 1 - prompt_tokens)
+                      if args.kv_eviction else None,
                       model_dtype="bfloat16", torch_threads=torch.get_num_threads()),
         rows=[],
     )
+    policies = [pol for _, pol in variants]
+    V = len(variants)
     work_per_scheme = (len(ppl_ids) + sum(c["length"] for c in cells)
                        + len(prompts) * (args.agreement_prompt_tokens + args.agreement_tokens))
     bar = tqdm(total=work_per_scheme * len(names), unit="tok", unit_scale=True, dynamic_ncols=True,
@@ -414,62 +616,80 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         t0 = time.time()
         eng = probe if name == REFERENCE else make_engine(args.engine, args.model, name, **eng_kw)
         bar.set_postfix_str(f"{name}: ppl")
-        lp = eng.logprobs_teacher_forced(ppl_ids, args.chunk)
-        ppl = math.exp(-lp.double().mean().item())
-        memory = eng.kv_memory()
+        if args.kv_eviction:
+            ppl_runs = eng.logprobs_variants(ppl_ids, args.chunk, prompt_tokens, policies)
+        else:  # the plain yardstick: every token of the text
+            ppl_runs = [dict(logprobs=eng.logprobs_teacher_forced(ppl_ids, args.chunk), plan=None,
+                             kv_memory=eng.kv_memory())]
+        ppls = [math.exp(-r["logprobs"].double().mean().item()) for r in ppl_runs]
         bar.update(len(ppl_ids))
 
         bar.set_postfix_str(f"{name}: passkey")
-        details = []
+        details: list[list[dict]] = [[] for _ in range(V)]
         for c in cells:
             ids = passkey_prompt(tok, c["length"], c["depth"], c["passkey"])
-            gen = eng.greedy(ids, PASSKEY_GEN_TOKENS, passkey_chunk(c["length"], args))
-            answer = tok.decode(gen, skip_special_tokens=True)
-            m = re.search(r"\d+", answer)
-            details.append(dict(c, prompt_tokens=len(ids), answer=answer,
-                                correct=bool(m and m.group(0) == str(c["passkey"]))))
+            gens = (eng.greedy_variants(ids, PASSKEY_GEN_TOKENS, passkey_chunk(c["length"], args), policies)
+                    if args.kv_eviction else [eng.greedy(ids, PASSKEY_GEN_TOKENS, passkey_chunk(c["length"], args))])
+            for v, gen in enumerate(gens):
+                answer = tok.decode(gen, skip_special_tokens=True)
+                m = re.search(r"\d+", answer)
+                details[v].append(dict(c, prompt_tokens=len(ids), answer=answer,
+                                       correct=bool(m and m.group(0) == str(c["passkey"]))))
             bar.update(c["length"])
-        by_len = {str(L): sum(d["correct"] for d in details if d["length"] == L)
-                  / max(1, sum(d["length"] == L for d in details)) for L in args.passkey_lengths}
 
         bar.set_postfix_str(f"{name}: agreement")
-        agree = []
+        agree: list[list[int]] = [[] for _ in range(V)]
         for i, p in enumerate(prompts):
-            if name == REFERENCE:
+            if name == REFERENCE:  # the reference: bf16 without eviction (variant 0)
                 ref_gen.append(eng.greedy(p, args.agreement_tokens, args.chunk))
-                agree.append(len(ref_gen[i]))
-            else:
-                gen = eng.greedy(p, args.agreement_tokens, args.chunk, reference=ref_gen[i])
-                agree.append(next((j for j, (a, b) in enumerate(zip(gen, ref_gen[i])) if a != b),
-                                  min(len(gen), len(ref_gen[i]))))
+            refs = [ref_gen[i]] * V
+            gens = (eng.greedy_variants(p, args.agreement_tokens, args.chunk, policies, refs)
+                    if args.kv_eviction else [eng.greedy(p, args.agreement_tokens, args.chunk, reference=refs[0])])
+            for v, gen in enumerate(gens):
+                agree[v].append(next((j for j, (a, b) in enumerate(zip(gen, ref_gen[i])) if a != b),
+                                     min(len(gen), len(ref_gen[i]))))
             bar.update(args.agreement_prompt_tokens + args.agreement_tokens)
 
         if name == REFERENCE:
-            ref_ppl = ppl
-        row = dict(
-            scheme=name, effective_bits=eng.effective_bits(), ppl=ppl,
-            ppl_ratio_vs_bf16=ppl / ref_ppl,
-            passkey_acc=(sum(d["correct"] for d in details) / len(details)) if details else None,
-            passkey_by_length=by_len,
-            agreement=(sum(agree) / len(agree)) if agree else None,
-            agreement_per_prompt=agree,
-            kv_bytes_per_token=(memory["total_bytes"] / memory["tokens"]
-                                if memory and memory.get("tokens") else None),
-            kv_memory=memory, passkey_details=details, seconds=round(time.time() - t0, 1),
-        )
-        result["rows"].append(row)
-        tqdm.write(f"{name}: bits {row['effective_bits']:.3f}  ppl {ppl:.3f} "
-                   f"(x{row['ppl_ratio_vs_bf16']:.3f})  passkey {row['passkey_acc']}  "
-                   f"agreement {row['agreement']}  {row['seconds']:.0f}s", file=sys.stderr)
+            ref_ppl = ppls[0]
+        seconds = round(time.time() - t0, 1)
+        for v, ((label, pol), run_, ppl) in enumerate(zip(variants, ppl_runs, ppls)):
+            det = details[v]
+            memory = run_["kv_memory"]
+            row = dict(
+                scheme=name, eviction=pol.name if pol else None, retention=pol.retention if pol else None,
+                label=f"{name}+{label}" if pol else name, effective_bits=eng.effective_bits(), ppl=ppl,
+                ppl_ratio_vs_bf16=ppl / ref_ppl,
+                passkey_acc=(sum(d["correct"] for d in det) / len(det)) if det else None,
+                passkey_by_length={str(L): sum(d["correct"] for d in det if d["length"] == L)
+                                   / max(1, sum(d["length"] == L for d in det)) for L in args.passkey_lengths},
+                agreement=(sum(agree[v]) / len(agree[v])) if agree[v] else None,
+                agreement_per_prompt=agree[v],
+                kv_bytes_per_token=(memory["total_bytes"] / memory["tokens"]
+                                    if memory and memory.get("tokens") else None),
+                kv_memory=memory, eviction_plan=run_["plan"], passkey_details=det,
+                seconds=seconds if v == 0 else None,
+            )
+            if not args.kv_eviction:
+                for k in ("eviction", "retention", "label", "eviction_plan"):
+                    row.pop(k)
+            result["rows"].append(row)
+            tqdm.write(f"{row.get('label', name)}: bits {row['effective_bits']:.3f}  ppl {ppl:.3f} "
+                       f"(x{row['ppl_ratio_vs_bf16']:.3f})  passkey {row['passkey_acc']}  "
+                       f"agreement {row['agreement']}", file=sys.stderr)
+        tqdm.write(f"{name}: {seconds:.0f}s", file=sys.stderr)
         result["elapsed_s"] = round(time.time() - t_all, 1)
-        if args.json:  # after every row, so that an interrupted run keeps what it has
+        if args.json:  # after every scheme, so that an interrupted run keeps what it has
             _write_json(result, args.json)
     bar.close()
     print(format_table(result["rows"], args.passkey_lengths))
     if args.png:
         Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-        plot(result["rows"], args.png,
-             f"{Path(args.model).name}, {len(ppl_ids)} tokens, chunk {args.chunk}")
+        title = f"{Path(args.model).name}, {len(ppl_ids)} tokens, chunk {args.chunk}"
+        if args.kv_eviction:
+            plot_eviction(result["rows"], args.png, title + f", evicted after {prompt_tokens}")
+        else:
+            plot(result["rows"], args.png, title)
     return result
 
 

@@ -16,6 +16,14 @@ point is not required in this process.
 "sink_tokens": 4, ...}``); it is validated here and passed on as vLLM's
 ``--additional-config '{"lowbit_kv": {...}}'``, merged with any
 ``--additional-config`` given too (whose ``lowbit_kv`` fields win).
+
+``--kv-eviction POLICY --kv-retention R`` (ours) turn on KV eviction after each
+request's prefill (:mod:`vllm_lowbit_kv.vllm_eviction`): shorthands for the
+``lowbit_kv`` fields ``eviction`` and ``retention``, merged the same way
+(``--kv-eviction-gamma G`` sets ``eviction_gamma``). With eviction on, prefix
+caching is turned off unless a prefix-caching flag is given (eviction rewrites
+a request's blocks, so they cannot be shared; an explicit
+``--enable-prefix-caching`` is refused at start-up with the reason).
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ import os
 import sys
 
 LOWBIT_FLAG = "--lowbit-config"
+#: launcher flag -> (lowbit_kv field, type)
+EVICTION_FLAGS = {"--kv-eviction": ("eviction", str), "--kv-retention": ("retention", float),
+                  "--kv-eviction-gamma": ("eviction_gamma", float)}
 
 
 def _has_model(argv: list[str]) -> bool:
@@ -56,7 +67,15 @@ def _merge_lowbit_config(argv: list[str]) -> list[str]:
     from vllm_lowbit_kv.config import ADDITIONAL_CONFIG_KEY, LowBitKVConfig, LowBitKVConfigError, load_file
 
     argv, path = _pop_flag(argv, LOWBIT_FLAG)
-    if path is None:
+    flags = {}
+    for flag, (field, kind) in EVICTION_FLAGS.items():
+        argv, value = _pop_flag(argv, flag)
+        if value is not None:
+            try:
+                flags[field] = kind(value)
+            except ValueError:
+                raise SystemExit(f"python -m serving: {flag} must be a {kind.__name__}, got {value!r}")
+    if path is None and not flags:
         return argv
     argv, extra = _pop_flag(argv, "--additional-config")
     try:
@@ -66,11 +85,15 @@ def _merge_lowbit_config(argv: list[str]) -> list[str]:
     if not isinstance(additional, dict):
         raise SystemExit("python -m serving: --additional-config must be a JSON object")
     try:
-        fields = {**load_file(path), **(additional.get(ADDITIONAL_CONFIG_KEY) or {})}
+        fields = {**(load_file(path) if path else {}), **flags,
+                  **(additional.get(ADDITIONAL_CONFIG_KEY) or {})}
         LowBitKVConfig.parse(fields)  # fail here, before vLLM starts, with the field named
     except LowBitKVConfigError as e:
         raise SystemExit(f"python -m serving: {e}")
     additional[ADDITIONAL_CONFIG_KEY] = fields
+    if fields.get("eviction") and not any(a.startswith(("--enable-prefix-caching",
+                                                        "--no-enable-prefix-caching")) for a in argv):
+        argv.append("--no-enable-prefix-caching")  # eviction rewrites blocks: nothing to share
     return [*argv, "--additional-config", json.dumps(additional)]
 
 

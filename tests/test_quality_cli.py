@@ -66,6 +66,38 @@ def test_cli_writes_table_json_and_png(tiny, capsys):
     assert (root / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_eviction_rows(tiny):
+    """Every scheme x (policy, retention); retention 1 keeps every pair: the plain numbers."""
+    model_dir, text, root = tiny
+    argv = ["--model", str(model_dir), "--text-file", str(text), "--kv-cache-dtype", "kivi4",
+            "--json", str(root / "e.json"), "--png", str(root / "e.png"), "--max-tokens", "300",
+            "--chunk", "64", "--passkey-lengths", "256", "--agreement-prompts", "1",
+            "--agreement-prompt-tokens", "100", "--agreement-tokens", "4", "--sink-tokens", "4",
+            "--kv-eviction", "flashcache,recency", "--kv-retention", "0.3,1", "--no-progress"]
+    res = quality.main(argv)
+    assert res["settings"]["eviction"]["ppl_prompt_tokens"] == 128
+    assert res["settings"]["eviction"]["ppl_scored_tokens"] == 299 - 128
+    rows = res["rows"]
+    assert [(r["scheme"], r["eviction"], r["retention"]) for r in rows] == [
+        (s, p, r) for s in ("bfloat16", "kivi4")
+        for p, r in [(None, None), ("flashcache", 0.3), ("flashcache", 1.0), ("recency", 0.3), ("recency", 1.0)]]
+    for plain in (rows[0], rows[5]):
+        assert plain["eviction_plan"] is None and plain["label"] == plain["scheme"]
+        for full in [r for r in rows if r["scheme"] == plain["scheme"] and r["retention"] == 1.0]:
+            assert full["ppl"] == pytest.approx(plain["ppl"], rel=1e-5)
+            assert [d["answer"] for d in full["passkey_details"]] == [d["answer"] for d in plain["passkey_details"]]
+    for r in rows:
+        if r["retention"] == 0.3:
+            plan = r["eviction_plan"]
+            assert plan["tokens"] == 128 and plan["kept"] == round(0.3 * 128 * 2)
+            assert r["kv_memory"]["stored_tokens"] < r["kv_memory"]["tokens"] * 2
+    assert (root / "e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match=r"retention must be a number in \(0, 1\]"):
+        quality.main(argv[:-5] + ["--kv-eviction", "flashcache", "--kv-retention", "1.5"])
+    with pytest.raises(SystemExit, match="eviction policy must be one of"):
+        quality.main(argv[:-5] + ["--kv-eviction", "h2o", "--kv-retention", "0.5"])
+
+
 def test_cli_refuses_bad_arguments(tiny):
     model_dir, text, _ = tiny
     with pytest.raises(ValueError, match="kv_cache_dtype"):

@@ -24,7 +24,9 @@ def test_fields_cover_every_codec_parameter():
             params |= {p for p in inspect.signature(spec.cls.__init__).parameters
                        if spec.accepts(p)}
     cache = {"block_tokens", "sink_tokens", "skip_layers", "obs_window"}
-    assert set(LowBitKVConfig.model_fields) == params | cache
+    eviction = {"eviction", "retention", "eviction_gamma", "eviction_sinks", "recent_window",
+                "eviction_layer_cap"}
+    assert set(LowBitKVConfig.model_fields) == params | cache | eviction
 
 
 @pytest.mark.parametrize("raw,scheme,match", [

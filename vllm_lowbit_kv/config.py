@@ -25,6 +25,19 @@ Cache layout (any scheme):
 * ``obs_window``: queries in the STP observation window (relevance schemes such
   as ``vidkv_stp``), at most ``block_tokens``.
 
+Eviction (:mod:`vllm_lowbit_kv.vllm_eviction`; off unless ``eviction`` is set):
+
+* ``eviction``: the policy, one of ``flashcache``, ``uniform``, ``random``,
+  ``recency`` (:mod:`vllm_lowbit_kv.eviction.policies`); evicts once per request,
+  after its prefill, prompt tokens only, and gives the freed blocks back.
+* ``retention``: kept fraction of the prompt's KV pairs, in (0, 1] (required
+  with ``eviction``).
+* ``eviction_gamma``: FlashCache's low-pass cut-off factor, in (0, 1).
+* ``eviction_sinks``, ``recent_window``: first / last prompt tokens every
+  policy keeps.
+* ``eviction_layer_cap``: a layer keeps at most this multiple of the mean
+  retention (>= 1): bounds the blocks a request keeps before its K/V are seen.
+
 Codec parameters (each reaches the scheme's codec(s) that take it, see
 :meth:`vllm_lowbit_kv.schemes.KVScheme.with_params`; a parameter no codec of
 the scheme takes is refused with the names it does take): ``k``, ``fft``,
@@ -44,9 +57,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .codecs.base import require
 from .codecs.quantile1 import ROUNDINGS
+from .eviction.policies import DEFAULT_GAMMA, DEFAULT_RECENT_WINDOW, DEFAULT_SINK_TOKENS, POLICIES
 from .codecs.vidkv import ONE_BIT_MODES
 from .schemes import KVScheme, get_scheme
 
@@ -54,7 +69,10 @@ from .schemes import KVScheme, get_scheme
 ADDITIONAL_CONFIG_KEY = "lowbit_kv"
 DEFAULT_OBS_WINDOW = 32
 
-CACHE_FIELDS = ("block_tokens", "sink_tokens", "skip_layers", "obs_window")
+EVICTION_FIELDS = ("eviction", "retention", "eviction_gamma", "eviction_sinks", "recent_window",
+                   "eviction_layer_cap")
+CACHE_FIELDS = ("block_tokens", "sink_tokens", "skip_layers", "obs_window", *EVICTION_FIELDS)
+DEFAULT_LAYER_CAP = 2.0
 
 
 class LowBitKVConfigError(ValueError):
@@ -75,6 +93,13 @@ class LowBitKVConfig(BaseModel):
                                    description="layer indices kept in the model dtype")
     obs_window: int = Field(DEFAULT_OBS_WINDOW, ge=1, le=4096,
                             description="queries in the STP observation window")
+    # eviction (None: off)
+    eviction: Literal[tuple(POLICIES)] | None = None  # type: ignore[valid-type]
+    retention: float | None = None
+    eviction_gamma: float = DEFAULT_GAMMA
+    eviction_sinks: int = Field(DEFAULT_SINK_TOKENS, ge=0, le=1 << 20)
+    recent_window: int = Field(DEFAULT_RECENT_WINDOW, ge=0, le=1 << 20)
+    eviction_layer_cap: float = DEFAULT_LAYER_CAP
     # codec parameters (None: the scheme's default)
     k: float | None = None
     fft: bool | None = None
@@ -100,6 +125,40 @@ class LowBitKVConfig(BaseModel):
         if bad:
             raise ValueError(f"layer indices must be >= 0, got {bad}")
         return sorted(set(v))
+
+    @field_validator("retention")
+    @classmethod
+    def _retention(cls, v: float | None) -> float | None:
+        if v is not None:
+            require(0 < v <= 1, "retention", "a number in (0, 1] (kept fraction of the prompt's "
+                    "KV pairs)", v)
+        return v
+
+    @field_validator("eviction_gamma")
+    @classmethod
+    def _gamma(cls, v: float) -> float:
+        require(0 < v < 1, "eviction_gamma", "a number in (0, 1) (low-pass cut-off w = gamma * N)", v)
+        return v
+
+    @field_validator("eviction_layer_cap")
+    @classmethod
+    def _layer_cap(cls, v: float) -> float:
+        require(v >= 1, "eviction_layer_cap", "a number >= 1 (a layer's budget over the mean)", v)
+        return v
+
+    @model_validator(mode="after")
+    def _eviction_complete(self) -> "LowBitKVConfig":
+        require(self.eviction is None or self.retention is not None, "retention",
+                "set with eviction (a number in (0, 1])", None)
+        return self
+
+    def eviction_policy(self):
+        """The configured eviction policy (None when eviction is off)."""
+        if self.eviction is None:
+            return None
+        from .eviction import make_policy
+        return make_policy(self.eviction, self.retention, gamma=self.eviction_gamma,
+                           sink_tokens=self.eviction_sinks, recent_window=self.recent_window)
 
     # -- construction ---------------------------------------------------------------
     @classmethod

@@ -51,12 +51,30 @@ draw high attention; Devoto et al. 2024, "A Simple and Effective L2
 Norm-Based Strategy for KV Cache Compression"). A callable can also be given
 (see :data:`RelevanceFn`). Only the ranking inside a (block, head) matters to
 the codecs.
+
+Eviction (FlashCache and baselines, :mod:`vllm_lowbit_kv.eviction`): a cache
+made with ``evictable=True`` also keeps the exact K/V of every token until
+:meth:`LowBitKVCache.evict` runs, once, after the prompt's prefill (prompt
+tokens only). The policy scores the *exact* prompt K/V of every layer (never
+their codec reconstruction) and picks each layer's kept positions; each layer
+then rebuilds its storage from its kept pairs, in position order, exactly as if
+that compacted sequence had been written: the first ``sink_tokens`` kept pairs
+in the sink area, every full group of ``block_tokens`` kept pairs encoded
+from the exact values (each kept pair is quantized once, in a group of kept
+pairs; STP relevance from the prompt's last queries, causal by original
+position), the rest in the tail. Later tokens append as usual. Positions stay
+logical (``get_seq_length()`` counts every token ever written, so RoPE
+positions continue from the prompt's length), while the layers now hold
+different numbers of pairs: :meth:`~LowBitKVCache.evict` switches the model to
+:data:`COMPACTED_ATTENTION`, SDPA with the causal mask aligned to each layer's
+own key count. ``scheme=None`` keeps every layer in the model dtype (the bf16
+cache with eviction).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -64,8 +82,11 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .codecs.base import BlockCodec, require
 from .schemes import KVScheme, get_scheme
 
+if TYPE_CHECKING:
+    from .eviction import EvictionPlan, EvictionPolicy
+
 __all__ = ["LowBitKVCache", "LowBitLayer", "install_query_hooks", "RelevanceFn",
-           "RELEVANCE_MODES"]
+           "RELEVANCE_MODES", "COMPACTED_ATTENTION", "use_compacted_attention"]
 
 #: ``fn(layer_idx, keys, values, start, end) -> relevance``: ``keys``/``values`` are
 #: every token of the layer so far, [B, kv_heads, N, D]; return the relevance of
@@ -124,6 +145,44 @@ def install_query_hooks(model: torch.nn.Module) -> int:
     return len(handles)
 
 
+#: transformers attention implementation for caches whose layers hold different numbers
+#: of pairs (after eviction); registered by :func:`use_compacted_attention`
+COMPACTED_ATTENTION = "lowbit_kv_compacted"
+
+
+def _compacted_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs):
+    """transformers' SDPA, with the causal mask aligned bottom-right on this layer's keys.
+
+    The model builds one mask for all layers from the logical length; a compacted
+    layer holds fewer keys, all of them before the fresh queries except the fresh
+    tokens themselves, so query i sees every key up to ``k - q + i``. Where the
+    mask already fits the keys (no eviction) it is used unchanged: same numbers
+    as ``sdpa``.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k = query.shape[-2], key.shape[-2]
+    if attention_mask is not None and attention_mask.shape[-1] != k:
+        require(query.shape[0] == 1, "batch size with an evicted cache",
+                "1 (a padding mask cannot be mapped onto compacted keys)", query.shape[0])
+        attention_mask = None
+    if attention_mask is None and 1 < q != k:
+        attention_mask = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)[None, None]
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def use_compacted_attention(model: torch.nn.Module) -> None:
+    """Register :data:`COMPACTED_ATTENTION` (once) and switch ``model`` to it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(COMPACTED_ATTENTION, _compacted_sdpa)
+    AttentionMaskInterface.register(COMPACTED_ATTENTION, sdpa_mask)
+    if model.config._attn_implementation != COMPACTED_ATTENTION:
+        model.set_attn_implementation(COMPACTED_ATTENTION)
+
+
 class LowBitLayer(DynamicLayer):
     """One layer's K/V: sinks and tail in the model dtype, full blocks packed by codecs."""
 
@@ -131,9 +190,10 @@ class LowBitLayer(DynamicLayer):
 
     def __init__(self, layer_idx: int, key_codec: BlockCodec | None, value_codec: BlockCodec | None,
                  block_tokens: int, sink_tokens: int = 0, relevance: str | RelevanceFn = "none",
-                 obs_window: int = 32, attend_new_exact: bool = True):
+                 obs_window: int = 32, attend_new_exact: bool = True, evictable: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
+        self.evictable = evictable
         self.key_codec, self.value_codec = key_codec, value_codec
         self.skip = key_codec is None
         self.block_tokens, self.sink_tokens = block_tokens, sink_tokens
@@ -151,6 +211,9 @@ class LowBitLayer(DynamicLayer):
         self.q_first = 0
         self.q_scale = 1.0
         self.stream_state: dict[str, Any] = {"k": None, "v": None}  # encode_stream recorders
+        self.exact_k: list[torch.Tensor] = []  # exact K/V of every token until eviction
+        self.exact_v: list[torch.Tensor] = []
+        self.key_pos: torch.Tensor | None = None  # logical position of each stored pair, once evicted
 
     # -- transformers layer API --------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -186,6 +249,8 @@ class LowBitLayer(DynamicLayer):
             self.packed_v = self.packed_v.index_select(0, idx)
         if self.q_obs is not None:
             self.q_obs = self.q_obs.index_select(0, idx)
+        self.exact_k = [t.index_select(0, idx) for t in self.exact_k]
+        self.exact_v = [t.index_select(0, idx) for t in self.exact_v]
         for name, st in self.stream_state.items():
             if st is not None:
                 vals = [t.index_select(0, idx) for t in st]
@@ -232,7 +297,7 @@ class LowBitLayer(DynamicLayer):
         qg = q.reshape(B, H, G * w, D)  # query head h*G+g uses KV head h (repeat_kv)
         scores = torch.matmul(qg, keys.float().transpose(-1, -2)) * self.q_scale  # [B, H, G*w, N]
         qpos = (self.q_first + torch.arange(w, device=keys.device)).repeat(G)
-        kpos = torch.arange(N, device=keys.device)
+        kpos = torch.arange(N, device=keys.device) if self.key_pos is None else self.key_pos.to(keys.device)
         scores = scores.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
         mass = torch.softmax(scores, dim=-1).sum(dim=-2)  # [B, H, N]
         return mass[:, :, start:end]
@@ -285,13 +350,23 @@ class LowBitLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         S = key_states.shape[-2]
+        if self.key_pos is not None:
+            self.key_pos = torch.cat([self.key_pos, torch.arange(self.length, self.length + S)])
+        elif self.evictable and not self.skip:
+            self.exact_k.append(key_states)
+            self.exact_v.append(value_states)
+        self.length += S
+        return self._store(key_states, value_states)
+
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append pairs after the stored ones; what attention sees (stored ++ new, exact)."""
         if self.skip:
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
-            self.length += S
             return self.keys, self.values
         # 1. sinks take the first tokens
-        n_sink = min(max(self.sink_tokens - self.length, 0), S)
+        n_sink = min(max(self.sink_tokens - self.sink_k.shape[-2], 0), key_states.shape[-2])
         if n_sink:
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :n_sink]], dim=-2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :n_sink]], dim=-2)
@@ -299,7 +374,6 @@ class LowBitLayer(DynamicLayer):
         # 2. the rest joins the tail; what attention sees now (new tokens exact)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        self.length += S
         full_k, full_v = self.decoded()
         # 3. encode every full block of the tail
         n_full = self.keys.shape[-2] // self.block_tokens
@@ -319,18 +393,49 @@ class LowBitLayer(DynamicLayer):
                 full_k, full_v = self.decoded()
         return full_k, full_v
 
+    # -- eviction ----------------------------------------------------------------
+    def exact(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact K/V [B, H, length, D] of every token written so far (before eviction)."""
+        require(self.key_pos is None, f"layer {self.layer_idx} state", "not evicted yet", "evicted")
+        if self.skip:
+            return self.keys, self.values
+        require(self.evictable, f"layer {self.layer_idx}", "made with evictable=True to evict", False)
+        return torch.cat(self.exact_k, dim=-2), torch.cat(self.exact_v, dim=-2)
+
+    def compact(self, kept: torch.Tensor) -> None:
+        """Keep only the pairs at sorted positions ``kept``, stored as if written in order."""
+        k, v = self.exact()
+        kept = kept.to(torch.long).cpu()
+        require(kept.numel() == 0 or (int(kept.min()) >= 0 and int(kept.max()) < self.length
+                                      and bool((kept[1:] > kept[:-1]).all())),
+                "kept positions", f"sorted, unique, in [0, {self.length})", kept.tolist()[:16])
+        k, v = k[:, :, kept.to(k.device)], v[:, :, kept.to(k.device)]
+        if self.skip:
+            self.keys, self.values = k, v
+        else:
+            length, queries = self.length, (self.q_obs, self.q_first, self.q_scale)
+            self._reset_state()
+            self.lazy_initialization(k[:, :, :0], v[:, :, :0])
+            self.length = length
+            self.q_obs, self.q_first, self.q_scale = queries
+            self.key_pos = kept  # before _store: relevance is causal by original position
+            self._store(k, v)
+        self.key_pos = kept
+        self.exact_k, self.exact_v = [], []
+
     # -- accounting ------------------------------------------------------------
     def memory(self) -> dict[str, int]:
         """Bytes held by this layer (K and V together), and their bf16 equivalents."""
         if not self.is_initialized:
-            return dict(tokens=0, packed_tokens=0, packed_bytes=0, full_precision_bytes=0,
+            return dict(tokens=0, stored_tokens=0, packed_tokens=0, packed_bytes=0, full_precision_bytes=0,
                         total_bytes=0, bf16_bytes=0)
         B, H = self.keys.shape[:2]
         D = self.keys.shape[-1]
         packed_tokens = self.n_blocks * self.block_tokens
         packed = 0 if self.packed_k is None else self.packed_k.numel() + self.packed_v.numel()
         fp = sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.keys, self.values))
-        return dict(tokens=self.length, packed_tokens=packed_tokens, packed_bytes=packed,
+        stored = self.sink_k.shape[-2] + packed_tokens + self.keys.shape[-2]
+        return dict(tokens=self.length, stored_tokens=stored, packed_tokens=packed_tokens, packed_bytes=packed,
                     full_precision_bytes=fp, total_bytes=packed + fp,
                     bf16_bytes=B * H * D * 2 * 2 * self.length)
 
@@ -339,7 +444,8 @@ class LowBitKVCache(Cache):
     """transformers ``Cache`` storing K/V through a registered scheme's codecs.
 
     Args:
-        scheme: scheme name (``get_scheme``) or a :class:`KVScheme`.
+        scheme: scheme name (``get_scheme``) or a :class:`KVScheme`; ``None``: every
+            layer in the model dtype (with ``evictable``: the bf16 cache with eviction).
         model_config: the model's config (``num_hidden_layers``, ``num_key_value_heads``,
             ``head_dim``); taken from ``model.config`` when omitted.
         model: the model; enables ``relevance="attention"`` (installs the query hooks).
@@ -350,14 +456,16 @@ class LowBitKVCache(Cache):
             by schemes whose codecs use relevance.
         obs_window: queries in the observation window (``relevance="attention"``).
         attend_new_exact: see the module docstring.
+        evictable: keep the exact K/V until :meth:`evict` (see the module docstring).
     """
 
     def __init__(self, scheme: str | KVScheme, model_config: Any = None, *,
                  model: torch.nn.Module | None = None, block_tokens: int | None = None,
                  sink_tokens: int | None = None, skip_layers: Iterable[int] = (),
                  relevance: str | RelevanceFn = "auto", obs_window: int = 32,
-                 attend_new_exact: bool = True):
+                 attend_new_exact: bool = True, evictable: bool = False):
         self.scheme = get_scheme(scheme) if isinstance(scheme, str) else scheme
+        self.evictable = evictable
         if model_config is None:
             require(model is not None, "model_config", "given (or model=...)", None)
             model_config = model.config
@@ -367,8 +475,11 @@ class LowBitKVCache(Cache):
         require(not bad, "model layer types", "only full_attention", sorted(bad))
         n_layers = cfg.num_hidden_layers
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.block_tokens = self.scheme.block_tokens if block_tokens is None else block_tokens
-        self.sink_tokens = self.scheme.sink_tokens if sink_tokens is None else sink_tokens
+        if self.scheme is None:  # the model dtype everywhere
+            skip_layers = range(n_layers)
+        self.block_tokens = block_tokens or (self.scheme.block_tokens if self.scheme else 0)
+        self.sink_tokens = sink_tokens if sink_tokens is not None else \
+            (self.scheme.sink_tokens if self.scheme else 0)
         require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
                 "sink_tokens", "an int >= 0", self.sink_tokens)
         self.skip_layers = frozenset(int(i) for i in skip_layers)
@@ -387,7 +498,7 @@ class LowBitKVCache(Cache):
             else:  # codecs built per layer: a codec may keep per-layer state
                 kc, vc = self.scheme.codecs(head_dim, self.block_tokens)
             layers.append(LowBitLayer(i, kc, vc, self.block_tokens, self.sink_tokens, relevance,
-                                      obs_window, attend_new_exact))
+                                      obs_window, attend_new_exact, evictable))
         self.records_queries = any(layer.wants_queries for layer in layers)
         if self.records_queries:
             require(model is not None, "model", "given for relevance='attention'", None)
@@ -397,7 +508,23 @@ class LowBitKVCache(Cache):
     @property
     def effective_bits(self) -> float:
         """Bits per element of the packed blocks (K and V averaged), every stored byte counted."""
+        if self.scheme is None:
+            return 16.0
         return self.scheme.effective_bits(self.head_dim, self.block_tokens)
+
+    def evict(self, policy: "EvictionPolicy", model: torch.nn.Module) -> "EvictionPlan":
+        """Evict once, after the prompt's prefill: plan on every layer's exact prompt K/V,
+        compact each layer to its kept pairs, switch ``model`` to
+        :data:`COMPACTED_ATTENTION`. Batch size 1; needs ``evictable=True``."""
+        require(self.evictable, "LowBitKVCache", "made with evictable=True to evict", False)
+        exact = [layer.exact() for layer in self.layers]
+        require(exact[0][0].shape[0] == 1, "batch size", "1 to evict", exact[0][0].shape[0])
+        # [B, H, N, D] -> [N, H, D]
+        plan = policy.plan([k[0].transpose(0, 1) for k, _ in exact], [v[0].transpose(0, 1) for _, v in exact])
+        for layer, kept in zip(self.layers, plan.kept):
+            layer.compact(kept)
+        use_compacted_attention(model)
+        return plan
 
     def memory_report(self) -> dict[str, Any]:
         """Bytes stored: packed blocks vs model-dtype parts (sinks, tails, skipped layers),
@@ -407,8 +534,9 @@ class LowBitKVCache(Cache):
         packed_bf16 = sum(layer.keys.shape[0] * layer.keys.shape[1] * self.head_dim * 4 * m["packed_tokens"]
                           for layer, m in zip(self.layers, per_layer) if layer.is_initialized)
         return dict(
-            scheme=self.scheme.name, block_tokens=self.block_tokens, sink_tokens=self.sink_tokens,
+            scheme=self.scheme.name if self.scheme else None, block_tokens=self.block_tokens, sink_tokens=self.sink_tokens,
             skip_layers=sorted(self.skip_layers), tokens=self.get_seq_length(),
+            stored_tokens=tot.get("stored_tokens", 0),
             packed_bytes=tot.get("packed_bytes", 0),
             packed_bf16_bytes=packed_bf16,
             full_precision_bytes=tot.get("full_precision_bytes", 0),

@@ -128,11 +128,15 @@ def check_vllm_config(vllm_config: "VllmConfig") -> None:
     head_dim = model_config.get_head_size()
     reasons += cfg.check_model(scheme, head_dim=head_dim, num_layers=num_layers,
                                block_size=cache_config.block_size)
+    from . import vllm_eviction
+    reasons += vllm_eviction.eviction_refusals(vllm_config, scheme, cfg)
     if reasons:
         raise ValueError(f"--kv-cache-dtype {name} cannot serve {model_config.model}: "
                          + "; ".join(reasons) + ". Refusing to start rather than serve wrong outputs.")
     if skip:
         cache_config.kv_cache_dtype_skip_layers = [str(i) for i in skip]
+    if cfg.eviction is not None:
+        vllm_eviction.install(vllm_config)
     # Once per server: vLLM re-runs this check in the engine-core process it spawns
     # later, which inherits the marker through the environment.
     marker = hashlib.sha1(repr((name, cfg, cache_config.block_size)).encode()).hexdigest()[:16]
@@ -265,6 +269,17 @@ class LowBitKVMetadata:
     num_actual_tokens: int
     write: WritePlan
     read: ReadPlan
+    #: rows of evicted requests -> (keep_from, kept length per layer name); see vllm_eviction
+    compacted: dict | None = None
+    block_table: torch.Tensor | None = None
+
+    def read_for(self, layer_name: str, layout: PagedLayout) -> ReadPlan:
+        """The context plan of one layer: per-layer kept lengths of evicted requests."""
+        if not self.compacted:
+            return self.read
+        from .vllm_eviction import layer_read_plan
+        return layer_read_plan(self.read, self.compacted, layer_name, self.block_table,
+                               layout.groups_per_block, layout.T)
 
 
 #: every live builder's allocator, told about ended requests by the runner hook
@@ -300,6 +315,10 @@ def _install_request_end_hook() -> None:
             if blocks:
                 for builder in list(_BUILDERS):
                     builder.release_blocks(blocks)
+            from . import vllm_eviction
+            vllm_eviction.forget_requests(self.requests[r].block_ids[0][0] for r in ended
+                                          if r in self.requests and self.requests[r].block_ids[0])
+            vllm_eviction.compact_ordered(self, scheduler_output, _BUILDERS)
         return original(self, scheduler_output)
 
     GPUModelRunner._update_states = _update_states
@@ -347,7 +366,10 @@ class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
             cam.slot_mapping[:n], cam.seq_lens[:R].tolist(),
             cam.query_start_loc_cpu[:R + 1].tolist(), cam.block_table_tensor[:R],
             self.layout.groups_per_block)
-        return LowBitKVMetadata(num_actual_tokens=n, write=write, read=read)
+        from .vllm_eviction import compacted_rows
+        compacted = compacted_rows(cam.block_table_tensor, R)
+        return LowBitKVMetadata(num_actual_tokens=n, write=write, read=read, compacted=compacted,
+                                block_table=cam.block_table_tensor[:R] if compacted else None)
 
 
 class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
@@ -412,7 +434,8 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
         query = query.view(n, self.num_heads, self.head_size)
         key = key.view(n, self.num_kv_heads, self.head_size)
         value = value.view(n, self.num_kv_heads, self.head_size)
-        forward_layer(attn_metadata.write, attn_metadata.read, layout, query, key, value, kv_cache,
+        forward_layer(attn_metadata.write, attn_metadata.read_for(layer.layer_name, layout), layout,
+                      query, key, value, kv_cache,
                       self.staging, self.scale, output[:n].view(n, self.num_heads, self.head_size),
                       self.obs_window)
         return output

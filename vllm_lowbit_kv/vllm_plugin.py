@@ -134,6 +134,11 @@ def _patch_cpu_config_check() -> None:
             check_vllm_config(vllm_config)
         elif isinstance(vllm_config.additional_config, dict) and \
                 "lowbit_kv" in vllm_config.additional_config:
+            if (vllm_config.additional_config["lowbit_kv"] or {}).get("eviction"):
+                raise ValueError(
+                    f"lowbit_kv eviction needs a lowbit-kv --kv-cache-dtype ({', '.join(scheme_names())}): "
+                    f"vLLM's own attention for --kv-cache-dtype {cache_dtype} cannot read per-layer "
+                    "kept lengths. Refusing to start rather than serve wrong outputs.")
             logger.warning("additional_config 'lowbit_kv' is ignored: --kv-cache-dtype %s is not "
                            "a lowbit-kv scheme (%s)", cache_dtype, ", ".join(scheme_names()))
 
