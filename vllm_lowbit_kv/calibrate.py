@@ -81,7 +81,7 @@ class CalibrationConfig:
     grouping: str | None = None
     tokens: int | None = None  # None: the whole text
     batch_tokens: int = 1024
-    steps: int = 30
+    steps: int = 20
     kmeans_iters: int = 10
     decay: float = 0.99
     seed: int = 0
