@@ -55,7 +55,8 @@ def default_text() -> str:
 
 
 def calibration_text() -> str:
-    return corpus_path("lee.txt").read_text(encoding="utf-8")
+    # lee.cor is Latin-1, not UTF-8: one byte 0xA3 ("£3,000"); the rest is ASCII
+    return corpus_path("lee.txt").read_text(encoding="latin-1")
 
 
 if __name__ == "__main__":

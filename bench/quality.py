@@ -3,6 +3,7 @@
     python -m bench.quality                                   # every registered scheme
     python -m bench.quality --kv-cache-dtype kivi2,kivi4 --json out.json --png out.png
     python -m bench.quality --quick                           # a few minutes
+    python -m bench.quality --kv-cache-dtype rvq4x256 --scheme-params '{"rvq4x256": {"codebook": "cb.safetensors"}}'
 
 Metrics (DESIGN.md, "How quality is measured"), each scheme against the
 ``bfloat16`` reference row, which is always run first:
@@ -41,6 +42,13 @@ An engine runs all variants of one prompt from one prefill
 The model runs behind an :class:`Engine` (``--engine``); ``hf`` is
 transformers + :class:`vllm_lowbit_kv.hf_cache.LowBitKVCache`. A serving
 engine (vLLM) implements the same methods.
+
+Schemes with learned codebooks (the ``rvq*`` schemes) need a codebook file
+made for the model: ``--scheme-params`` can name one per scheme; otherwise the
+default calibration of ``python -m vllm_lowbit_kv.calibrate --kv-cache-dtype
+NAME --seed SEED`` is used (its file in the cache, calibrated on first use on
+the held-out calibration text; :func:`vllm_lowbit_kv.calibrate.ensure_codebook`).
+Each row records the file, its sha256, size and the command that made it.
 """
 
 from __future__ import annotations
@@ -142,7 +150,7 @@ class HFEngine(Engine):
 
     def __init__(self, model_dir: str | Path, kv_cache_dtype: str, *, block_tokens: int | None = None,
                  sink_tokens: int | None = None, skip_layers: Sequence[int] = (),
-                 relevance: str = "auto"):
+                 relevance: str = "auto", params: dict[str, Any] | None = None):
         from vllm_lowbit_kv.schemes import get_scheme
         self.model = _load_hf(str(model_dir))
         self.kv_cache_dtype = kv_cache_dtype
@@ -150,6 +158,8 @@ class HFEngine(Engine):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_positions = cfg.max_position_embeddings
         self.scheme = None if kv_cache_dtype == REFERENCE else get_scheme(kv_cache_dtype)
+        if self.scheme is not None and params:
+            self.scheme = self.scheme.with_params(**params)
         self.cache_kw = dict(block_tokens=block_tokens, sink_tokens=sink_tokens,
                              skip_layers=tuple(skip_layers), relevance=relevance)
         self._last_cache = None
@@ -266,7 +276,8 @@ class HFEngine(Engine):
 #: ``--engine`` name -> Engine class, or "module:Class" imported on use (so that a
 #: serving engine can be listed here without importing vLLM for the hf engine).
 #: Constructor: ``(model_dir, kv_cache_dtype, *, block_tokens, sink_tokens,
-#: skip_layers, relevance)``; refuse options it cannot honour.
+#: skip_layers, relevance, params)`` (``params``: the scheme's codec parameters, the
+#: lowbit_kv fields); refuse options it cannot honour.
 ENGINES: dict[str, type[Engine] | str] = {"hf": HFEngine, "vllm": "bench.vllm_engine:VllmEngine"}
 #: KV dtypes an engine serves itself (not schemes of vllm_lowbit_kv.schemes): vLLM's own fp8.
 ENGINE_NATIVE_DTYPES: dict[str, tuple[str, ...]] = {"vllm": ("fp8",)}
@@ -498,7 +509,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="perplexity with eviction: this many leading tokens (a multiple of --chunk) are "
                         "the prompt, evicted after their prefill; PPL is over the tokens after them "
                         "[half the PPL tokens]")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheme-params", default=None,
+                   help="JSON object: scheme name -> its codec parameters (lowbit_kv fields), e.g. "
+                        "'{\"rvq\": {\"codebook\": \"rvq.safetensors\"}}'")
+    p.add_argument("--seed", type=int, default=0,
+                   help="passkey seed; also the calibration seed of default RVQ codebooks")
     p.add_argument("--quick", action="store_true",
                    help="smaller defaults: 1024 PPL tokens, passkey 1024,2048, 32 agreement tokens")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
@@ -514,6 +529,13 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.passkey_lengths = _int_list(args.passkey_lengths)
+    try:
+        args.scheme_params = json.loads(args.scheme_params) if args.scheme_params else {}
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--scheme-params: not valid JSON ({e})") from None
+    if not isinstance(args.scheme_params, dict) or \
+            not all(isinstance(v, dict) for v in args.scheme_params.values()):
+        raise SystemExit("--scheme-params must be a JSON object of scheme name -> object of parameters")
     args.skip_layers = _int_list(args.skip_layers)
     args.kv_eviction = [x.strip() for x in (args.kv_eviction or "").split(",") if x.strip()]
     try:
@@ -576,6 +598,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
     cells = passkey_cells(args.passkey_lengths, args.passkey_trials, args.seed)
     eng_kw = dict(block_tokens=args.block_tokens, sink_tokens=args.sink_tokens, skip_layers=args.skip_layers,
                   relevance=args.relevance)
+    params, codebooks = scheme_params(names[1:], args)
     probe = make_engine(args.engine, args.model, REFERENCE, **eng_kw)
     if args.kv_eviction and probe.eviction_refusal():
         raise SystemExit(f"--kv-eviction with --engine {args.engine}: {probe.eviction_refusal()}")
@@ -594,7 +617,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                       agreement_prompts=len(prompts), agreement_prompt_tokens=args.agreement_prompt_tokens,
                       agreement_tokens=args.agreement_tokens, block_tokens=args.block_tokens,
                       sink_tokens=args.sink_tokens, skip_layers=args.skip_layers, seed=args.seed,
-                      relevance=args.relevance,
+                      relevance=args.relevance, scheme_params=params,
                       eviction=dict(policies=args.kv_eviction, retentions=args.kv_retention,
                                     **{k: v for k, v in variants[-1][1].describe().items()
                                        if k not in ("policy", "retention")},
@@ -614,7 +637,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
     t_all = time.time()
     for name in names:
         t0 = time.time()
-        eng = probe if name == REFERENCE else make_engine(args.engine, args.model, name, **eng_kw)
+        eng = probe if name == REFERENCE else make_engine(args.engine, args.model, name, **eng_kw,
+                                                          params=params.get(name))
         bar.set_postfix_str(f"{name}: ppl")
         if args.kv_eviction:
             ppl_runs = eng.logprobs_variants(ppl_ids, args.chunk, prompt_tokens, policies)
@@ -670,6 +694,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                 kv_memory=memory, eviction_plan=run_["plan"], passkey_details=det,
                 seconds=seconds if v == 0 else None,
             )
+            if name in codebooks:  # learned state outside the pages, and how it was made
+                row["codebook"] = codebooks[name]
             if not args.kv_eviction:
                 for k in ("eviction", "retention", "label", "eviction_plan"):
                     row.pop(k)
@@ -691,6 +717,33 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         else:
             plot(result["rows"], args.png, title)
     return result
+
+
+def scheme_params(names: Sequence[str], args: argparse.Namespace) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Per scheme: its codec parameters (``--scheme-params``, plus the default codebook file
+    for schemes with learned codebooks that name none) and a record of each codebook file."""
+    from vllm_lowbit_kv.calibrate import CalibrationConfig, ensure_codebook
+    from vllm_lowbit_kv.codecs.rvq import RVQCodebooks
+    from vllm_lowbit_kv.schemes import SCHEMES
+
+    unknown = sorted(set(args.scheme_params) - set(names))
+    if unknown:
+        raise SystemExit(f"--scheme-params names schemes not measured here: {unknown} (measured: {list(names)})")
+    params = {n: dict(p) for n, p in args.scheme_params.items()}
+    records = {}
+    for n in names:
+        if n not in SCHEMES or not SCHEMES[n].key.accepts("codebook"):
+            continue
+        if "codebook" not in params.get(n, {}):
+            path = ensure_codebook(args.model, CalibrationConfig(scheme=n, seed=args.seed),
+                                   progress=not args.no_progress)
+            params.setdefault(n, {})["codebook"] = str(path)
+        path = Path(params[n]["codebook"])
+        books = RVQCodebooks.load(path)
+        records[n] = dict(path=str(path), sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                          codebook_bytes=books.nbytes, file_bytes=path.stat().st_size,
+                          model=books.model.describe(), provenance=books.provenance)
+    return params, records
 
 
 def _write_json(result: dict, path: str | Path) -> None:

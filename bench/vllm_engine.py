@@ -331,15 +331,16 @@ class VllmEngine(Engine):
     Constructor as the yardstick's ``make_engine`` calls it. ``block_tokens`` /
     ``sink_tokens`` / ``skip_layers`` go to the server as
     ``--additional-config '{"lowbit_kv": {...}}'`` (the backend validates them and
-    refuses what it cannot serve); ``relevance`` must stay ``auto`` (the backend
+    refuses what it cannot serve), and so do ``params`` (codec parameters, e.g. an
+    RVQ ``codebook`` file); ``relevance`` must stay ``auto`` (the backend
     computes its own). They are ignored for vLLM's own dtypes, as the HF engine
     ignores them for the bf16 reference.
     """
 
     def __init__(self, model_dir: str | Path, kv_cache_dtype: str, *, block_tokens: int | None = None,
                  sink_tokens: int | None = None, skip_layers: Sequence[int] = (), relevance: str = "auto",
-                 max_model_len: int | None = None, kv_space_gib: int | None = None,
-                 extra_args: Sequence[str] = ()):
+                 params: dict[str, Any] | None = None, max_model_len: int | None = None,
+                 kv_space_gib: int | None = None, extra_args: Sequence[str] = ()):
         self.model_dir = str(model_dir)
         self.kv_cache_dtype = kv_cache_dtype
         geo = model_geometry(model_dir)
@@ -366,6 +367,7 @@ class VllmEngine(Engine):
                               if v is not None}
             if skip_layers:
                 self.overrides["skip_layers"] = list(skip_layers)
+            self.overrides.update(params or {})
             codec_overrides = {k: v for k, v in self.overrides.items() if k != "skip_layers"}
             self.scheme = scheme.with_params(**codec_overrides) if codec_overrides else scheme
             self._bits = self.scheme.effective_bits(self.head_dim)

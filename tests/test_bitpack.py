@@ -4,18 +4,43 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_lowbit_kv.codecs.bitpack import (
-    from_bytes, pack_bits, pack_ternary, packed_len, ternary_packed_len, to_bytes,
+    MAX_BITS, from_bytes, pack_bits, pack_ternary, packed_len, ternary_packed_len, to_bytes,
     unpack_bits, unpack_ternary)
 
 
-@given(bits=st.sampled_from([1, 2, 4, 8]), n=st.integers(1, 200), rows=st.integers(1, 4),
+@given(bits=st.integers(1, MAX_BITS), n=st.integers(1, 200), rows=st.integers(1, 4),
        seed=st.integers(0, 2**31 - 1))
 def test_pack_bits_round_trip(bits, n, rows, seed):
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 1 << bits, (rows, n), generator=g, dtype=torch.uint8)
+    codes = torch.randint(0, 1 << bits, (rows, n), generator=g, dtype=torch.int32)
     packed = pack_bits(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (rows, packed_len(n, bits))
-    assert torch.equal(unpack_bits(packed, bits, n), codes)
+    assert packed_len(n, bits) == -(-n * bits // 8)  # no padding beyond the last byte
+    out = unpack_bits(packed, bits, n)
+    assert out.dtype == (torch.uint8 if bits <= 8 else torch.int32)
+    assert torch.equal(out.to(torch.int32), codes)
+
+
+def bit_stream_reference(codes, bits):
+    """The format in words: bit j of code i is stream bit i*bits + j; stream bit k is
+    bit k % 8 of byte k // 8 (plain Python over one row)."""
+    stream = [(int(c) >> j) & 1 for c in codes for j in range(bits)]
+    stream += [0] * (-len(stream) % 8)
+    return [sum(stream[b * 8 + k] << k for k in range(8)) for b in range(len(stream) // 8)]
+
+
+@given(bits=st.integers(1, MAX_BITS), n=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_every_width_is_one_little_endian_bit_stream(bits, n, seed):
+    # one format for all widths: 1/2/4/8 keep their byte layout, 3/11/... straddle bytes
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (n,), generator=g, dtype=torch.int32)
+    assert pack_bits(codes, bits).tolist() == bit_stream_reference(codes.tolist(), bits)
+
+
+def test_eleven_bit_codes_straddle_bytes():
+    # 2047 = eleven ones, then 1: bits 0-10 set, bit 11 set -> 0xFF, 0x0F
+    assert pack_bits(torch.tensor([2047, 1]), 11).tolist() == [0xFF, 0x0F, 0x00]
+    assert unpack_bits(torch.tensor([0xFF, 0x0F, 0x00], dtype=torch.uint8), 11, 2).tolist() == [2047, 1]
 
 
 def test_pack_bits_layout_is_little_end_first():
@@ -43,6 +68,7 @@ def test_bytes_view_round_trip():
     assert torch.equal(from_bytes(to_bytes(x), torch.float16), x)
 
 
-def test_unsupported_bits_named():
-    with pytest.raises(ValueError, match="bits"):
-        packed_len(10, 3)
+@pytest.mark.parametrize("bits", [0, MAX_BITS + 1, 2.0, True])
+def test_unsupported_bits_named(bits):
+    with pytest.raises(ValueError, match=r"bits must be an int in \[1, 16\]"):
+        packed_len(10, bits)

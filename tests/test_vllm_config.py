@@ -154,7 +154,8 @@ def test_vllm_config_validates_and_maps_skip_layers(model_dir):
 def _fake_vllm_config(**model_kw):
     model = dict(is_hybrid=False, is_attention_free=False, is_encoder_decoder=False, use_mla=False,
                  model="fake", dtype=torch.bfloat16, get_total_num_hidden_layers=lambda: LAYERS,
-                 get_head_size=lambda: HEAD_DIM, get_num_kv_heads=lambda pc: KV_HEADS)
+                 get_head_size=lambda: HEAD_DIM, get_num_kv_heads=lambda pc: KV_HEADS,
+                 get_total_num_kv_heads=lambda: KV_HEADS)
     model.update(model_kw)
     return SimpleNamespace(
         model_config=SimpleNamespace(**model), parallel_config=None, speculative_config=None,
@@ -182,9 +183,10 @@ def test_unservable_models_are_refused_with_the_reason(model_dir, model_kw, reas
 
 
 @pytest.mark.parametrize("lowbit", [None, {"skip_layers": [0, 29], "sink_tokens": 4}])
-def test_allocator_capacity_scales_with_bits(model_dir, lowbit):
+def test_allocator_capacity_scales_with_bits(model_dir, lowbit, rvq_codebook_file):
     """vLLM's own allocator (get_kv_cache_configs) on our specs: 1 GiB holds
-    >= 0.9 x (16 / bits) x the bf16 token count, for every scheme."""
+    >= 0.9 x (16 / bits) x the bf16 token count, for every scheme (RVQ ones with
+    a codebook file made for the model)."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -209,8 +211,11 @@ def test_allocator_capacity_scales_with_bits(model_dir, lowbit):
     assert bf16 == 2**30 // (LAYERS * KV_HEADS * HEAD_DIM * 2 * 2) // 128 * 128
     n_skip = len((lowbit or {}).get("skip_layers", []))
     for name in SCHEMES:
-        got = tokens(name, lowbit)
-        scheme = LowBitKVConfig.parse(lowbit).scheme(name)
+        lb = dict(lowbit or {})
+        if SCHEMES[name].key.accepts("codebook"):
+            lb["codebook"] = str(rvq_codebook_file(name))
+        got = tokens(name, lb or None)
+        scheme = LowBitKVConfig.parse(lb).scheme(name)
         page_bits = _layout(scheme, HEAD_DIM, KV_HEADS, 128, torch.bfloat16).bits_per_element
         bits = (page_bits * (LAYERS - n_skip) + 16 * n_skip) / LAYERS
         assert got >= 0.9 * (16 / bits) * bf16, (name, got, bf16, bits)

@@ -44,7 +44,11 @@ the scheme takes is refused with the names it does take): ``k``, ``fft``,
 ``one_bit`` (VidKV keys), ``gamma``, ``protect`` (VidKV ternary values / STP),
 ``bits``, ``axis``, ``group_size`` (KIVI, quantile, dynamic), ``alpha``,
 ``rounding`` (quantile), ``ema``, ``normalize``, ``fine_group_size``,
-``fine_fraction``, ``tau``, ``eps`` (dynamic).
+``fine_fraction``, ``tau``, ``eps`` (dynamic), ``num_codebooks``,
+``codebook_size``, ``grouping`` and ``codebook`` (RVQ: ``group_size`` is the
+code dimension; ``codebook`` the safetensors file of learned codebooks that
+``python -m vllm_lowbit_kv.calibrate`` writes, refused at start-up when missing
+or made for another model or configuration).
 
 Errors (:class:`LowBitKVConfigError`, a ValueError) name the field and what it
 accepts; unknown fields are refused with the list of known ones.
@@ -59,8 +63,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .codecs.base import require
+from .codecs.base import ModelIdentity, require
 from .codecs.quantile1 import ROUNDINGS
+from .codecs.rvq import GROUPINGS
 from .eviction.policies import DEFAULT_GAMMA, DEFAULT_RECENT_WINDOW, DEFAULT_SINK_TOKENS, POLICIES
 from .codecs.vidkv import ONE_BIT_MODES
 from .schemes import KVScheme, get_scheme
@@ -117,6 +122,10 @@ class LowBitKVConfig(BaseModel):
     fine_fraction: float | None = None
     tau: float | None = None
     eps: float | None = None
+    num_codebooks: int | None = None
+    codebook_size: int | None = None
+    grouping: Literal[GROUPINGS] | None = None  # type: ignore[valid-type]
+    codebook: str | None = Field(None, description="RVQ codebook file (safetensors)")
 
     @field_validator("skip_layers")
     @classmethod
@@ -231,14 +240,18 @@ class LowBitKVConfig(BaseModel):
             raise LowBitKVConfigError(f"lowbit_kv config for {name}: {e}") from None
 
     def check_model(self, scheme: KVScheme, *, head_dim: int, num_layers: int,
-                    block_size: int | None = None) -> list[str]:
-        """Reasons this configuration cannot serve a model (empty: it can)."""
+                    block_size: int | None = None, model: ModelIdentity | None = None) -> list[str]:
+        """Reasons this configuration cannot serve a model (empty: it can). With ``model``,
+        learned codec state (RVQ codebooks) is checked against it too."""
         reasons = []
         T = scheme.block_tokens
         try:
             scheme.codecs(head_dim)
         except ValueError as e:
             reasons.append(f"head_dim {head_dim}: {e}")
+        else:
+            if model is not None:
+                reasons += scheme.check_model(model)
         if block_size is not None and block_size % T:
             reasons.append(f"--block-size {block_size} is not a multiple of the scheme's "
                            f"block_tokens ({T})")
@@ -272,6 +285,8 @@ class LowBitKVConfig(BaseModel):
         n_skip = len(self.skip_layers)
         overall = (page * (num_layers - n_skip) + 8 * model_dtype_bytes * n_skip) / num_layers
         params = {"k": kc, "v": vc}
+        # learned state kept outside the pages, for the packed layers (RVQ codebooks)
+        side = sum(getattr(c, "codebook_bytes", 0) for c in (kc, vc)) * (num_layers - n_skip)
         codec_desc = "; ".join(
             f"{w} {type(c).__name__}({', '.join(f'{p}={getattr(c, p)!r}' for p in _shown(c))})"
             for w, c in params.items())
@@ -285,14 +300,15 @@ class LowBitKVConfig(BaseModel):
             f"{overall:.3f} over all {num_layers} layers ({n_skip} in the model dtype); "
             f"{layout.page_bytes} B per {block_size}-token page per layer "
             f"({layout.bytes_per_token:.1f} B/token vs {2 * num_kv_heads * head_dim * model_dtype_bytes} "
-            f"in the model dtype)")
+            f"in the model dtype)"
+            + (f"; outside the pages: codebooks {side / 2**20:.2f} MiB" if side else ""))
 
 
 def _shown(codec) -> list[str]:
     import inspect
 
     names = [p for p in inspect.signature(type(codec).__init__).parameters
-             if p not in ("self", "block_tokens", "head_dim")]
+             if p not in ("self", "block_tokens", "head_dim", "layer")]
     return [p for p in names if hasattr(codec, p)]
 
 

@@ -79,7 +79,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .codecs.base import BlockCodec, require
+from .codecs.base import BlockCodec, ModelIdentity, require
 from .schemes import KVScheme, get_scheme
 
 if TYPE_CHECKING:
@@ -491,12 +491,16 @@ class LowBitKVCache(Cache):
         if relevance == "auto":
             relevance = "attention" if model is not None else "keynorm"
         self.head_dim = head_dim
+        # learned codec state (RVQ codebooks) must have been made for this model
+        reasons = self.scheme.check_model(ModelIdentity.from_hf_config(model_config))
+        if reasons:
+            raise ValueError(f"scheme {self.scheme.name}: " + "; ".join(reasons))
         layers = []
         for i in range(n_layers):
             if i in self.skip_layers:
                 kc = vc = None
-            else:  # codecs built per layer: a codec may keep per-layer state
-                kc, vc = self.scheme.codecs(head_dim, self.block_tokens)
+            else:  # codecs built per layer: a codec may keep per-layer state (codebooks)
+                kc, vc = self.scheme.codecs(head_dim, self.block_tokens, layer=i)
             layers.append(LowBitLayer(i, kc, vc, self.block_tokens, self.sink_tokens, relevance,
                                       obs_window, attend_new_exact, evictable))
         self.records_queries = any(layer.wants_queries for layer in layers)

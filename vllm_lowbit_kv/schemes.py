@@ -3,7 +3,9 @@
 A scheme name is what users pass as ``--kv-cache-dtype``. Codec parameters
 (k, gamma, p, bits, ...) can be overridden per deployment with
 :meth:`KVScheme.with_params`; each override goes to the codec(s) whose
-constructor takes it, and unknown names are refused.
+constructor takes it, and unknown names are refused. Codecs with learned
+per-layer state (RVQ codebooks) take a ``layer`` index, which
+:meth:`KVScheme.codecs` passes through; it is not a user parameter.
 """
 
 from __future__ import annotations
@@ -13,25 +15,28 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-from .codecs.base import BlockCodec, require
+from .codecs.base import BlockCodec, ModelIdentity, require
 from .codecs.dynamic import DynamicCodec
 from .codecs.kivi import KiviCodec
 from .codecs.quantile1 import QuantileCodec
+from .codecs.rvq import RVQKeyCodec, RVQValueCodec
 from .codecs.vidkv import TernaryValueCodec, VidKVKeyCodec
 
 
 @dataclass(frozen=True)
 class CodecSpec:
-    """A codec class and its keyword arguments, built per (block_tokens, head_dim)."""
+    """A codec class and its keyword arguments, built per (block_tokens, head_dim[, layer])."""
 
     cls: type[BlockCodec]
     params: dict[str, Any] = field(default_factory=dict)
 
     def accepts(self, name: str) -> bool:
         return name in inspect.signature(self.cls.__init__).parameters and name not in (
-            "self", "block_tokens", "head_dim")
+            "self", "block_tokens", "head_dim", "layer")
 
-    def build(self, block_tokens: int, head_dim: int) -> BlockCodec:
+    def build(self, block_tokens: int, head_dim: int, layer: int | None = None) -> BlockCodec:
+        if layer is not None and "layer" in inspect.signature(self.cls.__init__).parameters:
+            return self.cls(block_tokens, head_dim, layer=layer, **self.params)
         return self.cls(block_tokens, head_dim, **self.params)
 
 
@@ -45,9 +50,17 @@ class KVScheme:
     #: first tokens of every sequence kept in bf16 (attention sinks)
     sink_tokens: int = 0
 
-    def codecs(self, head_dim: int, block_tokens: int | None = None) -> tuple[BlockCodec, BlockCodec]:
+    def codecs(self, head_dim: int, block_tokens: int | None = None, layer: int | None = None
+               ) -> tuple[BlockCodec, BlockCodec]:
+        """The key and value codecs; ``layer`` reaches codecs with per-layer state."""
         T = block_tokens or self.block_tokens
-        return self.key.build(T, head_dim), self.value.build(T, head_dim)
+        return self.key.build(T, head_dim, layer), self.value.build(T, head_dim, layer)
+
+    def check_model(self, model: ModelIdentity) -> list[str]:
+        """Reasons the codecs' learned state (e.g. RVQ codebooks) cannot serve ``model``."""
+        reasons = [r for c in self.codecs(model.head_dim) if hasattr(c, "check_model")
+                   for r in c.check_model(model)]
+        return list(dict.fromkeys(reasons))
 
     def effective_bits(self, head_dim: int, block_tokens: int | None = None) -> float:
         """Bits per element over K and V together, every stored byte counted."""
@@ -135,3 +148,13 @@ for _bits in (4, 2):
                       "outlier-proportional fine groups (seed 004)",
                       CodecSpec(DynamicCodec, {"bits": _bits, "axis": "channel"}),
                       CodecSpec(DynamicCodec, {"bits": _bits, "axis": "token"})))
+
+# RVQ (seed 001): the paper's K=8 x C=2048 and smaller quantizers down to about 1 bit.
+# Bits at head_dim 64 (indices + fp16 std per token): 3.0, 2.25, 1.25, 0.75. Every one
+# needs a codebook file (lowbit_kv field ``codebook``; python -m vllm_lowbit_kv.calibrate).
+for _name, _k, _c in (("rvq", 8, 2048), ("rvq8x256", 8, 256), ("rvq4x256", 4, 256),
+                      ("rvq2x256", 2, 256)):
+    _rvq = {"num_codebooks": _k, "codebook_size": _c}
+    register(KVScheme(_name, f"RVQ {_k} codebooks x {_c} codes per 32-channel group, std-scaled "
+                             "(K strided groups, V contiguous; learned codebooks, seed 001)",
+                      CodecSpec(RVQKeyCodec, _rvq), CodecSpec(RVQValueCodec, _rvq)))

@@ -35,6 +35,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
+from .codecs.base import ModelIdentity
 from .config import ADDITIONAL_CONFIG_KEY, LowBitKVConfig, LowBitKVConfigError
 from .paged import PagedLayout, ReadPlan, Staging, StagingAllocator, WritePlan, forward_layer
 from .schemes import KVScheme
@@ -126,8 +127,10 @@ def check_vllm_config(vllm_config: "VllmConfig") -> None:
         reasons.append("speculative decoding: not supported")
     num_layers = model_config.get_total_num_hidden_layers()
     head_dim = model_config.get_head_size()
+    model = ModelIdentity.of(model_config.model, num_layers, model_config.get_total_num_kv_heads(),
+                             head_dim)
     reasons += cfg.check_model(scheme, head_dim=head_dim, num_layers=num_layers,
-                               block_size=cache_config.block_size)
+                               block_size=cache_config.block_size, model=model)
     from . import vllm_eviction
     reasons += vllm_eviction.eviction_refusals(vllm_config, scheme, cfg)
     if reasons:
@@ -207,8 +210,10 @@ def _group_tokens() -> int:
 
 
 def _layout(scheme: KVScheme, head_size: int, num_kv_heads: int, block_size: int,
-            dtype: torch.dtype) -> PagedLayout:
-    kc, vc = scheme.codecs(head_size)
+            dtype: torch.dtype, layer: int | None = None) -> PagedLayout:
+    """The page layout; codecs with per-layer state (RVQ codebooks) need ``layer`` to
+    code, the byte layout is the same for every layer."""
+    kc, vc = scheme.codecs(head_size, layer=layer)
     return PagedLayout(kc, vc, num_kv_heads, block_size, scheme.sink_tokens, dtype)
 
 
@@ -407,14 +412,17 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
                                         num_heads if self.obs_window else None)
         self._layout: PagedLayout | None = None
 
-    def _layout_for(self, kv_cache: torch.Tensor) -> PagedLayout:
+    def _layout_for(self, kv_cache: torch.Tensor, layer_name: str) -> PagedLayout:
         # kv_cache: uint8 [num_blocks, H, N, C] (no sinks) or [num_blocks, H, 1, P]
         if self._layout is None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
             per_head = kv_cache.shape[2] * kv_cache.shape[3]
             one = _layout(self.scheme, self.head_size, self.num_kv_heads, self.T, self.model_dtype)
             n_groups = (per_head - one.sink_bytes) // one.state_bytes
             self._layout = _layout(self.scheme, self.head_size, self.num_kv_heads,
-                                   n_groups * self.T, self.model_dtype)
+                                   n_groups * self.T, self.model_dtype,
+                                   layer=extract_layer_index(layer_name))
             assert self._layout.head_bytes == per_head, (kv_cache.shape, self._layout.head_bytes)
         return self._layout
 
@@ -429,7 +437,7 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
         n = attn_metadata.num_actual_tokens
         if kv_cache.numel() == 0:
             return output
-        layout = self._layout_for(kv_cache)
+        layout = self._layout_for(kv_cache, layer.layer_name)
         key, value, query = key[:n], value[:n], query[:n]
         query = query.view(n, self.num_heads, self.head_size)
         key = key.view(n, self.num_kv_heads, self.head_size)

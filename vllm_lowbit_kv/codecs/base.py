@@ -12,8 +12,12 @@ device-agnostic; they import nothing from vLLM.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
 
 import torch
 
@@ -50,6 +54,52 @@ class Layout:
         """Inverse of :meth:`join`."""
         sizes = [n for _, n in self.fields]
         return dict(zip((name for name, _ in self.fields), torch.split(packed, sizes, dim=-1)))
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """The model a codec's learned state (e.g. RVQ codebooks) was made for.
+
+    ``name`` is the last component of the model's path or hub id (so a local copy
+    of ``org/Model`` is ``Model`` too); the geometry is what the state's shapes
+    depend on, and ``config_sha`` fingerprints it.
+    """
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, name_or_path: Any, num_layers: int, num_kv_heads: int, head_dim: int) -> "ModelIdentity":
+        name = PurePosixPath(str(name_or_path or "").replace("\\", "/").rstrip("/")).name
+        return cls(name, int(num_layers), int(num_kv_heads), int(head_dim))
+
+    @classmethod
+    def from_hf_config(cls, config: Any, name_or_path: Any = None) -> "ModelIdentity":
+        """From a transformers config (its text config for multimodal models)."""
+        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        name = name_or_path or getattr(config, "_name_or_path", "") or getattr(cfg, "_name_or_path", "")
+        return cls.of(name, cfg.num_hidden_layers, kv_heads, head_dim)
+
+    @property
+    def config_sha(self) -> str:
+        geometry = {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                    "head_dim": self.head_dim}
+        return hashlib.sha256(json.dumps(geometry, sort_keys=True).encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        return (f"{self.name or '(unnamed model)'} ({self.num_layers} layers, "
+                f"{self.num_kv_heads} KV heads, head_dim {self.head_dim})")
+
+    def mismatches(self, other: "ModelIdentity") -> list[str]:
+        """``field self != other`` for every field that differs."""
+        return [f"{f} {getattr(self, f)!r} != {getattr(other, f)!r}"
+                for f in ("name", "num_layers", "num_kv_heads", "head_dim")
+                if getattr(self, f) != getattr(other, f)]
 
 
 class BlockCodec(ABC):
