@@ -9,7 +9,8 @@
 On the CPU they run under ``TRITON_INTERPRET=1`` (how the tests run them).
 """
 
+from .attention import packed_attention
 from .spec import page_format, unsupported_reason
 from .store import quantize_and_store
 
-__all__ = ["page_format", "quantize_and_store", "unsupported_reason"]
+__all__ = ["packed_attention", "page_format", "quantize_and_store", "unsupported_reason"]
