@@ -38,6 +38,20 @@ def load_codes(ptr, e, mask, BITS: tl.constexpr):
 
 
 @triton.jit
+def load_code_rows(ptr, r, rmask, C: tl.constexpr, BITS: tl.constexpr):
+    """Codes [len(r), C] of rows ``r`` of a row-major ``BITS``-bit packed array whose
+    rows fill whole bytes (C a power of two, C * BITS % 8 == 0): one contiguous byte
+    load per row, unpacked in registers."""
+    PER: tl.constexpr = 8 // BITS
+    CB: tl.constexpr = C // PER
+    b = tl.load(ptr + r[:, None] * CB + tl.arange(0, CB)[None, :], mask=rmask[:, None],
+                other=0).to(tl.int32)
+    k = tl.arange(0, PER)
+    codes = (b[:, :, None] >> (k[None, None, :] * BITS)) & ((1 << BITS) - 1)
+    return tl.reshape(codes, [r.shape[0], C])
+
+
+@triton.jit
 def pow3(k):
     """3**k for k in 0..4 (the digit weights of bitpack.pack_ternary)."""
     return tl.where(k == 0, 1, tl.where(k == 1, 3, tl.where(k == 2, 9, tl.where(k == 3, 27, 81))))

@@ -25,15 +25,20 @@ Decoding in registers, never in memory:
   transformed once per group (an n1 x n1 matmul) instead of rebuilding T
   tokens.
 * Values (KIVI per token / per channel, ternary with or without STP
-  protected tokens): the T x D tile is decoded and multiplied with the
-  probabilities.
+  protected tokens): ``p @ codes`` times the per-channel factors (alpha,
+  scale), plus the zero points' share; per-token factors scale p first.
 
-Differences from the reference: float32 throughout, but the summation order
-differs (tolerances in tests/test_triton_ops.py); the reference clamps
-decoded VidKV keys to +-65504 after the inverse FFT, the query transform
-cannot (it matters only for key magnitudes near the fp16 limit). On CUDA the
-matmuls use ``tf32x3`` (three TF32 tensor-core passes, about float32
-accuracy); in the interpreter (TRITON_INTERPRET=1) they are exact float32.
+Every large matmul has one operand made of integer codes (0..255 or trits),
+exact in bfloat16: the other (float32) operand is split into three bfloat16
+parts that sum to it exactly, so three bf16 tensor-core products with float32
+accumulation give float32 accuracy (:func:`_dot_codes`). The interpreter
+(TRITON_INTERPRET=1, how CI runs these kernels) runs the same split as
+float32 products.
+
+Differences from the reference: the summation order (tolerances in
+tests/test_triton_ops.py); the reference clamps decoded VidKV keys and
+protected values to +-65504, the factored products cannot (it matters only
+for magnitudes at the fp16 limit).
 """
 
 from __future__ import annotations
@@ -44,30 +49,65 @@ import triton.language as tl
 
 from vllm_lowbit_kv.codecs.base import require
 
-from ._jit import load_codes, load_f16, load_trits
+from ._jit import load_code_rows, load_codes, load_f16, load_trits
 from .spec import fft_matrix, require_format
 from .store import flat_pages, kernel_constants
 
+ATTN_WARPS = 8
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _dot(a, b, PREC: tl.constexpr):
-    return tl.dot(a, b, input_precision=PREC)
+def _bf16_head(x):
+    """The top 8 significant bits of float32 x (a value exact in bfloat16), by truncation."""
+    return (x.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_codes(a, codes, MMA_BF16: tl.constexpr):
+    """a [M, K] float32 times integer codes [K, N] (|code| <= 255, exact in bfloat16).
+
+    a = a1 + a2 + a3 exactly, each part 8 significant bits (truncation: a1 the top
+    bits of a, a2 of the rest, a3 the last 8), so three bf16 tensor-core products
+    with float32 accumulation give float32 accuracy while the large operand, the
+    codes, is held once in 16 bits. MMA_BF16 False (the interpreter, whose bf16 dot
+    is not usable) runs the same split as float32 products."""
+    a1 = _bf16_head(a)
+    rest = a - a1
+    a2 = _bf16_head(rest)
+    a3 = rest - a2
+    if MMA_BF16:  # every operand is exact in bfloat16: the casts lose nothing
+        b = codes.to(tl.bfloat16)
+        acc = tl.dot(a3.to(tl.bfloat16), b)
+        acc = tl.dot(a2.to(tl.bfloat16), b, acc)
+        return tl.dot(a1.to(tl.bfloat16), b, acc)
+    b = codes.to(tl.float32)
+    acc = tl.dot(a3, b, input_precision="ieee")
+    acc = tl.dot(a2, b, acc, input_precision="ieee")
+    return tl.dot(a1, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def _codes_t(ptr, t, tvalid, C: tl.constexpr, CP: tl.constexpr, BITS: tl.constexpr):
+    """Transposed codes [CP, TP] of the row-major [T, C] array at ``ptr``: whole-byte rows
+    load contiguously (C == CP), others code by code."""
+    if C == CP:
+        return tl.trans(load_code_rows(ptr, t, tvalid, CP, BITS))
+    i = tl.arange(0, CP)
+    return load_codes(ptr, t[None, :] * C + i[:, None], tvalid[None, :] & (i < C)[:, None], BITS)
 
 
 @triton.jit
 def _kivi_key_scores(q, base, t, tvalid, D: tl.constexpr, BITS: tl.constexpr,
                      OFF_CODES: tl.constexpr, OFF_SCALE: tl.constexpr, OFF_ZERO: tl.constexpr,
-                     PREC: tl.constexpr):
-    """q [M, D] (scaled) against KIVI per-channel keys -> scores [M, TP]."""
+                     MMA_BF16: tl.constexpr):
+    """q [M, D] (scaled) against KIVI per-channel keys: (q * scale) . codes + q . zero."""
     c = tl.arange(0, D)
     scale = load_f16(base + OFF_SCALE, c, c < D)
     zero = load_f16(base + OFF_ZERO, c, c < D)
-    codes_t = load_codes(base + OFF_CODES, t[None, :] * D + c[:, None], tvalid[None, :],
-                         BITS).to(tl.float32)  # [D, TP]
-    return _dot(q * scale[None, :], codes_t, PREC) + tl.sum(q * zero[None, :], axis=1)[:, None]
+    codes_t = _codes_t(base + OFF_CODES, t, tvalid, D, D, BITS)
+    return _dot_codes(q * scale[None, :], codes_t, MMA_BF16) + tl.sum(q * zero[None, :], axis=1)[:, None]
 
 
 @triton.jit
@@ -77,13 +117,14 @@ def _vidkv_key_scores(q_rows, mrows, s_qd, qk_scale, winv_t, base, t, tvalid,
                       FFT: tl.constexpr, SIGN: tl.constexpr,
                       OFF_CMASK: tl.constexpr, OFF_SCALE2: tl.constexpr, OFF_ZERO2: tl.constexpr,
                       OFF_LO: tl.constexpr, OFF_HI: tl.constexpr, OFF_CODES2: tl.constexpr,
-                      OFF_CODES1: tl.constexpr, PREC: tl.constexpr):
+                      OFF_CODES1: tl.constexpr, MMA_BF16: tl.constexpr):
     """Query rows (pointers ``q_rows`` [M], valid ``mrows``) against VidKV keys -> [M, TP]."""
     c = tl.arange(0, D)
     mbit = (tl.load(base + OFF_CMASK + c // 8).to(tl.int32) >> (c % 8)) & 1
     rank2 = tl.cumsum(mbit, 0) - mbit  # 2-bit channels before c
     i2 = tl.arange(0, N2P)
     i1 = tl.arange(0, N1P)
+    # the channel order of the state: 2-bit channels, then 1-bit ones (vidkv.front_perm)
     chan2 = tl.sum(tl.where((mbit[:, None] == 1) & (rank2[:, None] == i2[None, :]), c[:, None], 0), 0)
     chan1 = tl.sum(tl.where((mbit[:, None] == 0) & ((c - rank2)[:, None] == i1[None, :]),
                             c[:, None], 0), 0)
@@ -93,58 +134,65 @@ def _vidkv_key_scores(q_rows, mrows, s_qd, qk_scale, winv_t, base, t, tvalid,
                  mask=mrows[:, None] & (i1 < N1)[None, :], other=0).to(tl.float32) * qk_scale
     scale2 = load_f16(base + OFF_SCALE2, i2, i2 < N2)
     zero2 = load_f16(base + OFF_ZERO2, i2, i2 < N2)
-    codes2 = load_codes(base + OFF_CODES2, t[None, :] * N2 + i2[:, None],
-                        tvalid[None, :] & (i2 < N2)[:, None], 2).to(tl.float32)  # [N2P, TP]
-    s = _dot(q2 * scale2[None, :], codes2, PREC) + tl.sum(q2 * zero2[None, :], axis=1)[:, None]
+    codes2 = _codes_t(base + OFF_CODES2, t, tvalid, N2, N2P, 2)
+    s = _dot_codes(q2 * scale2[None, :], codes2, MMA_BF16) + tl.sum(q2 * zero2[None, :], axis=1)[:, None]
     hi = load_f16(base + OFF_HI, i1, i1 < N1)
     if SIGN:
         lo = -hi
     else:
         lo = load_f16(base + OFF_LO, i1, i1 < N1)
-    if FFT:
-        q1 = _dot(q1, winv_t, PREC)  # the query in the component domain
-    bits = load_codes(base + OFF_CODES1, t[None, :] * N1 + i1[:, None],
-                      tvalid[None, :] & (i1 < N1)[:, None], 1).to(tl.float32)  # [N1P, TP]
-    s += _dot(q1 * (hi - lo)[None, :], bits, PREC) + tl.sum(q1 * lo[None, :], axis=1)[:, None]
+    if FFT:  # the query in the component domain: q1 . (y @ W) = (q1 @ W.T) . y
+        q1 = tl.dot(q1, winv_t, input_precision="ieee")
+    bits = _codes_t(base + OFF_CODES1, t, tvalid, N1, N1P, 1)
+    s += _dot_codes(q1 * (hi - lo)[None, :], bits, MMA_BF16) + tl.sum(q1 * lo[None, :], axis=1)[:, None]
     return s
 
 
 @triton.jit
-def _value_tile(base, t, tvalid, T: tl.constexpr, D: tl.constexpr, VAL_KIND: tl.constexpr,
-                VAL_BITS: tl.constexpr, VAL_GROUP: tl.constexpr, NP: tl.constexpr,
-                V_CODES: tl.constexpr, V_SCALE: tl.constexpr, V_ZERO: tl.constexpr,
-                V_PSCALE: tl.constexpr, V_PZERO: tl.constexpr, V_ALPHA: tl.constexpr,
-                V_TOKMASK: tl.constexpr, V_PCODES: tl.constexpr, V_TRITS: tl.constexpr):
-    """The decoded values [TP, D] of one group state (0 on padding rows)."""
+def _values(p, base, t, tvalid, D: tl.constexpr, VAL_KIND: tl.constexpr,
+            VAL_BITS: tl.constexpr, VAL_GROUP: tl.constexpr, NP: tl.constexpr,
+            V_CODES: tl.constexpr, V_SCALE: tl.constexpr, V_ZERO: tl.constexpr,
+            V_PSCALE: tl.constexpr, V_PZERO: tl.constexpr, V_ALPHA: tl.constexpr,
+            V_TOKMASK: tl.constexpr, V_PCODES: tl.constexpr, V_TRITS: tl.constexpr,
+            MMA_BF16: tl.constexpr):
+    """p [M, TP] (0 on padding tokens) times the group's decoded values -> [M, D], with the
+    per-channel / per-token factors applied outside the code products."""
     c = tl.arange(0, D)
     rows = tvalid[:, None]
-    if VAL_KIND == 2:  # ternary, STP-protected tokens 2-bit
+    if VAL_KIND == 2:  # ternary: alpha[c] * trit; STP-protected tokens 2-bit
         alpha = load_f16(base + V_ALPHA, c, c < D)
         if NP > 0:
             prot = (tl.load(base + V_TOKMASK + t // 8, mask=tvalid, other=0).to(tl.int32)
                     >> (t % 8)) & 1
-            prank = tl.cumsum(prot, 0) - prot
-            lrank = t - prank
+            prank = tl.cumsum(prot, 0) - prot  # row among the protected tokens
+            pm = rows & (prot[:, None] == 1)
+            trits = load_trits(base + V_TRITS, (t - prank)[:, None] * D + c[None, :], rows & ~pm)
+            pcodes = load_codes(base + V_PCODES, prank[:, None] * D + c[None, :], pm, 2)
+            out = _dot_codes(p, trits, MMA_BF16) * alpha[None, :]
             pscale = load_f16(base + V_PSCALE, c, c < D)
             pzero = load_f16(base + V_PZERO, c, c < D)
-            pm = rows & (prot[:, None] == 1)
-            pcodes = load_codes(base + V_PCODES, prank[:, None] * D + c[None, :], pm, 2)
-            pv = pcodes.to(tl.float32) * pscale[None, :] + pzero[None, :]
-            pv = tl.minimum(tl.maximum(pv, -65504.0), 65504.0)
-            trits = load_trits(base + V_TRITS, lrank[:, None] * D + c[None, :], rows & ~pm)
-            v = tl.where(pm, pv, trits.to(tl.float32) * alpha[None, :])
+            p_prot = tl.sum(tl.where(prot[None, :] == 1, p, 0.0), axis=1)
+            out += _dot_codes(p, pcodes, MMA_BF16) * pscale[None, :] + p_prot[:, None] * pzero[None, :]
         else:
             trits = load_trits(base + V_TRITS, t[:, None] * D + c[None, :], rows)
-            v = trits.to(tl.float32) * alpha[None, :]
-    else:  # KIVI per token (VAL_KIND 0, VAL_GROUP channels per scale) or per channel
-        codes = load_codes(base + V_CODES, t[:, None] * D + c[None, :], rows, VAL_BITS)
-        if VAL_KIND == 0:
-            sidx = t[:, None] * (D // VAL_GROUP) + c[None, :] // VAL_GROUP
-        else:
-            sidx = c[None, :] + 0 * t[:, None]
-        v = codes.to(tl.float32) * load_f16(base + V_SCALE, sidx, rows) + load_f16(
-            base + V_ZERO, sidx, rows)
-    return tl.where(rows, v, 0.0)
+            out = _dot_codes(p, trits, MMA_BF16) * alpha[None, :]
+    else:
+        codes = load_code_rows(base + V_CODES, t, tvalid, D, VAL_BITS)
+        if VAL_KIND == 0:  # KIVI per token: one scale/zero per (token, VAL_GROUP channels)
+            NG: tl.constexpr = D // VAL_GROUP
+            out = tl.zeros([p.shape[0], D], tl.float32)
+            for gi in tl.static_range(NG):
+                scale = load_f16(base + V_SCALE, t * NG + gi, tvalid)
+                zero = load_f16(base + V_ZERO, t * NG + gi, tvalid)
+                in_g = (c // VAL_GROUP == gi)[None, :]
+                part = _dot_codes(p * scale[None, :], tl.where(in_g, codes, 0), MMA_BF16)
+                out += part + tl.where(in_g, tl.sum(p * zero[None, :], axis=1)[:, None], 0.0)
+        else:  # KIVI per channel
+            scale = load_f16(base + V_SCALE, c, c < D)
+            zero = load_f16(base + V_ZERO, c, c < D)
+            out = (_dot_codes(p, codes, MMA_BF16) * scale[None, :]
+                   + tl.sum(p, axis=1)[:, None] * zero[None, :])
+    return out
 
 
 @triton.jit
@@ -165,7 +213,7 @@ def _attention_kernel(
         V_CODES: tl.constexpr, V_SCALE: tl.constexpr, V_ZERO: tl.constexpr,
         V_PSCALE: tl.constexpr, V_PZERO: tl.constexpr, V_ALPHA: tl.constexpr,
         V_TOKMASK: tl.constexpr, V_PCODES: tl.constexpr, V_TRITS: tl.constexpr,
-        G: tl.constexpr, BR: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
+        G: tl.constexpr, BR: tl.constexpr, BLOCK_M: tl.constexpr, MMA_BF16: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -201,11 +249,12 @@ def _attention_kernel(
         base = page_head + (gid // N) * s_pb + (gid % N) * STATE
         tvalid = t < T
         if KEY_KIND == 0:
-            s = _kivi_key_scores(q, base, t, tvalid, D, KEY_BITS, K_CODES, K_SCALE, K_ZERO, PREC)
+            s = _kivi_key_scores(q, base, t, tvalid, D, KEY_BITS, K_CODES, K_SCALE, K_ZERO,
+                                 MMA_BF16)
         else:
             s = _vidkv_key_scores(q_rows, mrows, s_qd, qk_scale, winv_t, base, t, tvalid, T, D,
                                   N2, N2P, N1, N1P, FFT, ONE_BIT == 1, K_CMASK, K_SCALE2,
-                                  K_ZERO2, K_LO, K_HI, K_CODES2, K_CODES1, PREC)
+                                  K_ZERO2, K_LO, K_HI, K_CODES2, K_CODES1, MMA_BF16)
         keep = tvalid & (g * T + t >= skip)
         s = tl.where(keep[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -213,9 +262,10 @@ def _attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         corr = tl.exp2(m_i - m_safe)
         l_i = l_i * corr + tl.sum(p, axis=1)
-        v = _value_tile(base, t, tvalid, T, D, VAL_KIND, VAL_BITS, VAL_GROUP, NP, V_CODES,
-                        V_SCALE, V_ZERO, V_PSCALE, V_PZERO, V_ALPHA, V_TOKMASK, V_PCODES, V_TRITS)
-        acc = acc * corr[:, None] + _dot(p, v, PREC)
+        pv = _values(p, base, t, tvalid, D, VAL_KIND, VAL_BITS, VAL_GROUP, NP, V_CODES,
+                     V_SCALE, V_ZERO, V_PSCALE, V_PZERO, V_ALPHA, V_TOKMASK, V_PCODES, V_TRITS,
+                     MMA_BF16)
+        acc = acc * corr[:, None] + pv
         m_i = m_new
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -324,7 +374,7 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
         o, s_os, Hq * D, D, ls, s_ls, Hq,
         float(scale) * LOG2E, per_split,
         G=G, BR=rows_per_tile, BLOCK_M=max(16, triton.next_power_of_2(rows_per_tile * G)),
-        PREC="tf32x3" if dev.type == "cuda" else "ieee", num_warps=4, **consts)
+        MMA_BF16=not triton.knobs.runtime.interpret, num_warps=ATTN_WARPS, **consts)
     if splits > 1:
         _combine_kernel[(n * Hq,)](o, ls, out, lse, splits, o.stride(0), ls.stride(0),
                                    D=D, SP=triton.next_power_of_2(splits))

@@ -382,7 +382,7 @@ def quantize_and_store(k: torch.Tensor, v: torch.Tensor, gids: torch.Tensor, pag
         *k.stride(), *v.stride(), *(rel.stride()[:3]),
         flat.stride(0), flat.stride(1),
         KV_BYTES=fmt.k_bytes + fmt.v_bytes, GAMMA=fmt.gamma, HAS_REL=use_rel,
-        num_warps=8, **consts)
+        num_warps=8, enable_fp_fusion=False, **consts)  # no FMA contraction: exact steps
 
 
 __all__ = ["quantize_and_store", "kernel_constants", "flat_pages", "KEY_KIVI_CHANNEL",
