@@ -7,6 +7,18 @@ offset of a page), so fp16 values are assembled from two byte loads.
 import triton
 import triton.language as tl
 
+#: when set, kernel launches go to ``launch_hook(kernel, grid, args, kwargs)`` instead
+#: (triton_ops.compile_check collects them to compile for GPU targets without a GPU)
+launch_hook = None
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``, or the :data:`launch_hook` when one is set."""
+    if launch_hook is not None:
+        return launch_hook(kernel, grid, args, kwargs)
+    return kernel[grid](*args, **kwargs)
+
+
 #: 1.5 * 2**23: (x + M) - M rounds a float32 |x| < 2**22 to the nearest integer, ties to
 #: even, exactly like torch.round (larger |x| keep their sign and stay >= 2**22).
 ROUND_MAGIC = tl.constexpr(12582912.0)

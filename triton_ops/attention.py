@@ -49,6 +49,7 @@ import triton.language as tl
 
 from vllm_lowbit_kv.codecs.base import require
 
+from . import _jit
 from ._jit import load_code_rows, load_codes, load_f16, load_trits
 from .spec import fft_matrix, require_format
 from .store import flat_pages, kernel_constants
@@ -367,7 +368,8 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
         ls = torch.empty(splits, n, Hq, dtype=torch.float32, device=dev)
         s_os, s_ls = o.stride(0), ls.stride(0)
     consts.pop("GAMMA", None)
-    _attention_kernel[(n_tiles, H, splits)](
+    _jit.launch(
+        _attention_kernel, (n_tiles, H, splits),
         query, *query.stride(), tile_req, tile_row, q_start,
         flat, flat.stride(0), flat.stride(1), group_table, *group_table.stride(),
         num_groups.to(dev), skip_tokens.to(dev), winv,
@@ -376,8 +378,8 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
         G=G, BR=rows_per_tile, BLOCK_M=max(16, triton.next_power_of_2(rows_per_tile * G)),
         MMA_BF16=not triton.knobs.runtime.interpret, num_warps=ATTN_WARPS, **consts)
     if splits > 1:
-        _combine_kernel[(n * Hq,)](o, ls, out, lse, splits, o.stride(0), ls.stride(0),
-                                   D=D, SP=triton.next_power_of_2(splits))
+        _jit.launch(_combine_kernel, (n * Hq,), o, ls, out, lse, splits, o.stride(0),
+                    ls.stride(0), D=D, SP=triton.next_power_of_2(splits))
     return out, lse
 
 

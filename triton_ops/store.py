@@ -45,9 +45,9 @@ import triton.language as tl
 
 from vllm_lowbit_kv.codecs.base import FP16_MAX, require
 
+from . import _jit
 from ._jit import load_f16, pow3, rint, store_f16
-from .spec import (KEY_KIVI_CHANNEL, VAL_KIVI_TOKEN, VAL_TERNARY, fft_matrix, next_pow2,
-                   require_format)
+from .spec import VAL_TERNARY, fft_matrix, next_pow2, require_format
 
 
 @triton.jit
@@ -377,7 +377,8 @@ def quantize_and_store(k: torch.Tensor, v: torch.Tensor, gids: torch.Tensor, pag
     rel = relevance if use_rel else k  # unused placeholder pointer when not use_rel
     consts = kernel_constants(fmt)
     fwd = fft_matrix("forward", fmt.n1, consts["N1P"], k.device) if fmt.fft else flat
-    _store_kernel[(E, H)](
+    _jit.launch(
+        _store_kernel, (E, H),
         k, v, rel, gids, flat, fwd,
         *k.stride(), *v.stride(), *(rel.stride()[:3]),
         flat.stride(0), flat.stride(1),
@@ -385,5 +386,3 @@ def quantize_and_store(k: torch.Tensor, v: torch.Tensor, gids: torch.Tensor, pag
         num_warps=8, enable_fp_fusion=False, **consts)  # no FMA contraction: exact steps
 
 
-__all__ = ["quantize_and_store", "kernel_constants", "flat_pages", "KEY_KIVI_CHANNEL",
-           "VAL_KIVI_TOKEN"]
