@@ -10,7 +10,7 @@ On the CPU they run under ``TRITON_INTERPRET=1`` (how the tests run them).
 """
 
 from .attention import packed_attention
-from .spec import page_format, unsupported_reason
+from vllm_lowbit_kv.ops.page_format import page_format, unsupported_reason
 from .store import quantize_and_store
 
 __all__ = ["packed_attention", "page_format", "quantize_and_store", "unsupported_reason"]

@@ -51,7 +51,7 @@ from vllm_lowbit_kv.codecs.base import require
 
 from . import _jit
 from ._jit import load_code_rows, load_codes, load_f16, load_trits
-from .spec import fft_matrix, require_format
+from vllm_lowbit_kv.ops.page_format import fft_matrix, require_format
 from .store import flat_pages, kernel_constants
 
 ATTN_WARPS = 8

@@ -47,7 +47,7 @@ from vllm_lowbit_kv.codecs.base import FP16_MAX, require
 
 from . import _jit
 from ._jit import load_f16, pow3, rint, store_f16
-from .spec import VAL_TERNARY, fft_matrix, next_pow2, require_format
+from vllm_lowbit_kv.ops.page_format import VAL_TERNARY, fft_matrix, next_pow2, require_format
 
 
 @triton.jit

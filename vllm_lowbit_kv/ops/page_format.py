@@ -1,6 +1,6 @@
 """Page format of a :class:`~vllm_lowbit_kv.paged.PagedLayout` as the GPU kernels read it.
 
-The Triton kernels (this package) and the CUDA kernel (``csrc/cuda/``) take the
+The Triton kernels (``triton_ops/``) and the CUDA kernel (``csrc/cuda/``) take the
 codec geometry and the byte offset of every field of a group's state as
 compile-time constants; this module derives them from the codecs' own
 :class:`~vllm_lowbit_kv.codecs.base.Layout`, so no field offset is written
@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_lowbit_kv.codecs.kivi import KiviCodec
-from vllm_lowbit_kv.codecs.vidkv import ONE_BIT_MODES, TernaryValueCodec, VidKVKeyCodec, irfft_unique, rfft_unique
+from ..codecs.kivi import KiviCodec
+from ..codecs.vidkv import (ONE_BIT_MODES, TernaryValueCodec, VidKVKeyCodec, irfft_unique,
+                            rfft_unique)
 
 # codec kinds (also the integer codes of csrc/cuda/packed_attention.cuh)
 KEY_KIVI_CHANNEL, KEY_VIDKV = 0, 1
