@@ -1,0 +1,327 @@
+"""Triton kernels (triton_ops) against the reference codecs and the reference attention.
+
+Without a usable CUDA device the kernels run in Triton's interpreter
+(TRITON_INTERPRET=1 is set below, before triton_ops is imported); with one
+(and TRITON_INTERPRET unset) the same tests run on the GPU, marked ``gpu``.
+Outputs and pages are poisoned before every run.
+
+Tolerances (float32 math in both; only the summation order differs): out
+atol 2e-5 + rtol 1e-4 and lse atol 1e-5 + rtol 1e-5 for float32, bfloat16 and
+float16 queries alike (both sides compute in float32 from the same query
+values; on the GPU the code products use an exact 3-way bf16 split with
+float32 accumulation, see triton_ops.attention).
+
+quantize_and_store: bit-identical fields are compared byte for byte; the
+fields whose thresholds are float32 means (VidKV 1-bit components, ternary
+values) must have identical codes except at elements within float32 rounding
+of their threshold, and levels within one fp16 step (triton_ops.store).
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton_ops  # noqa: E402
+from triton_ops import _jit, attention, store  # noqa: E402
+from triton_ops.attention import _row_tiles  # noqa: E402
+from vllm_lowbit_kv.codecs.vidkv import rfft_unique  # noqa: E402
+from vllm_lowbit_kv.ops import packed_attention_reference  # noqa: E402
+from vllm_lowbit_kv.paged import PagedLayout  # noqa: E402
+from vllm_lowbit_kv.schemes import get_scheme  # noqa: E402
+
+if not ON_GPU and not hasattr(attention._attention_kernel, "interpreter_builder"):
+    # triton_ops was imported earlier in this process without TRITON_INTERPRET:
+    # re-create its kernels as interpreted functions (decided when they are defined)
+    for mod in (_jit, store, attention):
+        importlib.reload(mod)
+    importlib.reload(triton_ops)
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+on_device = pytest.mark.gpu if ON_GPU else (lambda test: test)  # gpu: skipped without CUDA
+SCHEMES = ["kivi2", "vidkv", "vidkv_stp"]
+POISON = 0xAB
+
+
+def _layout(scheme, T, H, block_size, sinks=0):
+    kc, vc = get_scheme(scheme).codecs(64, T)
+    return PagedLayout(kc, vc, H, block_size, sinks)
+
+
+def _kv(E, T, H, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    offset = torch.randn(64, generator=g) * 2  # per-channel offsets, as real keys have
+    k = torch.randn(E, T, H, 64, generator=g) * 3 + offset
+    v = torch.randn(E, T, H, 64, generator=g)
+    return k.to(dtype), v.to(dtype)
+
+
+# -- quantize and store ---------------------------------------------------------------------
+
+EXACT_FIELDS = {"codes", "scale", "zero", "chan_mask", "scale2", "zero2", "codes2",
+                "tok_mask", "prot_codes", "prot_scale", "prot_zero"}
+
+
+def _fields(codec, states):
+    return codec.layout().split(states.reshape(-1, states.shape[-1])[:, :codec.nbytes].cpu())
+
+
+def _tie_margin_ok(name, codec, x, mismatch, rel=None):
+    """Every differing code lies within float32 rounding of its threshold: the reference's
+    decision value recomputed in float64 (x: the group's float input [G, T, D])."""
+    G, T, D = x.shape
+    x = x.double()
+    if name == "trits":
+        n_p = codec.n_protect
+        if n_p:  # the unprotected tokens, in order (the reference's token permutation)
+            order = torch.sort(rel.double(), dim=-1, descending=True, stable=True).indices
+            keep = torch.zeros(G, T, dtype=torch.bool).scatter(1, order[:, :n_p], True)
+            x = torch.stack([x[g][~keep[g]] for g in range(G)])
+        a = x.abs()
+        margin = a - codec.gamma * a.mean(1, keepdim=True)  # trit != 0 iff margin > 0
+        scale = a.amax(1, keepdim=True)
+    else:  # codes1: the 1-bit components, mean split
+        rng = x.amax(1) - x.amin(1)
+        two = torch.zeros(G, D, dtype=torch.bool).scatter(
+            1, torch.sort(rng, 1, descending=True, stable=True).indices[:, :codec.n2], True)
+        y = torch.stack([x[g][:, ~two[g]] for g in range(G)])
+        if codec.fft_active:
+            y = rfft_unique(y)
+        margin = y - y.mean(1, keepdim=True)
+        scale = y.abs().amax(1, keepdim=True)
+    where = mismatch.reshape(margin.shape)
+    return bool((margin.abs() <= 1e-5 * scale)[where].all())
+
+
+def _assert_states_agree(layout, ref, got, k, v, rel):
+    """Field-by-field comparison of reference and kernel states [E, H, C] (module doc)."""
+    kb = layout.k_bytes
+    for codec, lo, hi, x in ((layout.key_codec, 0, kb, k), (layout.value_codec, kb, None, v)):
+        a, b = _fields(codec, ref[..., lo:hi]), _fields(codec, got[..., lo:hi])
+        xg = x.float().permute(0, 2, 1, 3).reshape(-1, layout.T, layout.D)  # [E*H, T, D]
+        rg = None if rel is None else rel.permute(0, 2, 1).reshape(-1, layout.T)
+        for name in a:
+            if name in EXACT_FIELDS:
+                assert torch.equal(a[name], b[name]), f"{type(codec).__name__}.{name} differs"
+            elif name in ("codes1", "trits"):
+                if name == "codes1":
+                    ca = ((a[name].unsqueeze(-1) >> torch.arange(8)) & 1).flatten(1)
+                    cb = ((b[name].unsqueeze(-1) >> torch.arange(8)) & 1).flatten(1)
+                    n = layout.T * codec.n1
+                else:
+                    p3 = 3 ** torch.arange(5)
+                    ca = ((a[name].long().unsqueeze(-1) // p3) % 3).flatten(1)
+                    cb = ((b[name].long().unsqueeze(-1) // p3) % 3).flatten(1)
+                    n = codec.n_low * layout.D
+                mismatch = ca[:, :n] != cb[:, :n]
+                assert mismatch.float().mean() < 1e-3, f"{name}: {int(mismatch.sum())} codes differ"
+                if mismatch.any():
+                    assert _tie_margin_ok(name, codec, xg, mismatch, rg), f"{name}: not at ties"
+            else:  # fp16 levels: lo1/hi1/s1/alpha
+                fa = a[name].contiguous().view(torch.float16).float()
+                fb = b[name].contiguous().view(torch.float16).float()
+                step = torch.maximum(fa.abs(), fb.abs()) * 2.0 ** -10 + 2.0 ** -24
+                assert bool(((fa - fb).abs() <= step).all()), f"{name}: more than one fp16 step"
+                assert (fa != fb).float().mean() < 0.02, f"{name}: too many differ"
+
+
+@on_device
+@pytest.mark.parametrize("scheme,T,block_size,dtype", [
+    ("kivi2", 16, 32, torch.bfloat16), ("kivi2", 64, 64, torch.float32),
+    ("vidkv", 32, 64, torch.bfloat16), ("vidkv", 64, 128, torch.float16),
+    ("vidkv_stp", 32, 32, torch.bfloat16), ("vidkv_stp", 64, 64, torch.float32),
+    ("kivi4", 32, 64, torch.bfloat16), ("vidkv_k2v2", 32, 64, torch.bfloat16)])
+def test_quantize_and_store_matches_reference_codec(scheme, T, block_size, dtype):
+    H, E, blocks = 2, 5, 6
+    layout = _layout(scheme, T, H, block_size, sinks=2)  # sink areas must stay untouched
+    k, v = _kv(E, T, H, dtype, seed=T)
+    k[0, :, 1, 5] = 0.75  # a constant channel: zero scale
+    v[1, 3] = v[1, 4]  # duplicated tokens: tied ranges and norms
+    rel = torch.rand(E, T, H)
+    rel[2, :4] = 0.5  # tied relevance: lower index wins
+    gids = torch.randperm(blocks * layout.groups_per_block)[:E]
+    ref = torch.full(layout.page_shape(blocks), POISON, dtype=torch.uint8)
+    layout.write_states(ref, gids, layout.encode(k, v, rel))
+    pages = torch.full(layout.page_shape(blocks), POISON, dtype=torch.uint8, device=DEVICE)
+    triton_ops.quantize_and_store(k.to(DEVICE), v.to(DEVICE), gids.to(DEVICE), pages, layout,
+                                  rel.to(DEVICE))
+    pages = pages.cpu()
+    _assert_states_agree(layout, layout.read_states(ref, gids), layout.read_states(pages, gids),
+                         k, v, rel if layout.value_codec.uses_relevance else None)
+    untouched = ref.clone()
+    layout.write_states(untouched, gids, layout.read_states(pages, gids))
+    assert torch.equal(pages, untouched)  # nothing else written: other states, sinks, pads
+    # decoded groups agree (codes equal up to ties, levels up to an fp16 step)
+    dk, dv = layout.decode(layout.read_states(pages, gids))
+    rk, rv = layout.decode(layout.read_states(ref, gids))
+    for got, want in ((dk, rk), (dv, rv)):
+        err = (got - want).norm() / want.norm()
+        assert err < 1e-3, err
+
+
+@on_device
+def test_quantize_and_store_many_groups_near_ties_only():
+    """Larger sample for the non-exact fields: mismatches stay rare and at ties."""
+    layout = _layout("vidkv_stp", 64, 4, 64)
+    E = 24
+    k, v = _kv(E, 64, 4, torch.bfloat16, seed=7)
+    gids = torch.arange(E)
+    ref = torch.zeros(layout.page_shape(E), dtype=torch.uint8)
+    layout.write_states(ref, gids, layout.encode(k, v))  # STP from the norm fallback
+    pages = torch.full(layout.page_shape(E), POISON, dtype=torch.uint8, device=DEVICE)
+    triton_ops.quantize_and_store(k.to(DEVICE), v.to(DEVICE), gids.to(DEVICE), pages, layout)
+    got = layout.read_states(pages.cpu(), gids)
+    want = layout.read_states(ref, gids)
+    # the norm fallback may pick another token at a norm tie: compare masks first
+    kb = layout.k_bytes
+    vm = _fields(layout.value_codec, want[..., kb:])["tok_mask"]
+    gm = _fields(layout.value_codec, got[..., kb:])["tok_mask"]
+    assert torch.equal(vm, gm)
+    rel = v.float().norm(dim=-1)
+    _assert_states_agree(layout, want, got, k, v, rel)
+
+
+def test_quantize_and_store_refuses_nonfinite_and_bad_shapes():
+    layout = _layout("vidkv", 16, 2, 16)
+    pages = torch.zeros(layout.page_shape(2), dtype=torch.uint8)
+    k, v = _kv(1, 16, 2, torch.float32, seed=0)
+    k[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        triton_ops.quantize_and_store(k, v, torch.tensor([0]), pages, layout)
+    with pytest.raises(ValueError, match="k.shape"):
+        triton_ops.quantize_and_store(k[:, :8], v, torch.tensor([0]), pages, layout)
+
+
+def test_unsupported_formats_are_refused_with_the_reason():
+    layout = _layout("quantile1", 16, 2, 16)
+    reason = triton_ops.unsupported_reason(layout)
+    assert reason and "QuantileCodec" in reason
+    with pytest.raises(ValueError, match="QuantileCodec"):
+        triton_ops.packed_attention(torch.zeros(1, 2, 64), torch.tensor([0, 1]),
+                                    torch.zeros(layout.page_shape(1), dtype=torch.uint8), layout,
+                                    torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1]),
+                                    torch.tensor([0]), 0.1)
+    assert triton_ops.unsupported_reason(_layout("vidkv_stp", 64, 2, 64)) is None
+
+
+# -- attention ---------------------------------------------------------------------------------
+
+def _attention_case(scheme, T, H, Hq, block_size, n_groups, q_rows, skip, seed, qdtype):
+    torch.manual_seed(seed)
+    layout = _layout(scheme, T, H, block_size)
+    N = layout.groups_per_block
+    blocks = -(-sum(n_groups) // N) + 3
+    pages = torch.full(layout.page_shape(blocks), POISON, dtype=torch.uint8)
+    gids = torch.randperm(blocks * N)[:sum(n_groups)]
+    k, v = _kv(len(gids), T, H, torch.float32, seed)
+    layout.write_states(pages, gids, layout.encode(k, v, torch.rand(len(gids), T, H)))
+    table = torch.full((len(n_groups), max(max(n_groups), 1) + 2), -7, dtype=torch.int32)
+    at = 0
+    for r, g in enumerate(n_groups):
+        table[r, :g] = gids[at:at + g].int()
+        at += g
+    q_start = torch.tensor([0] + q_rows).cumsum(0)
+    query = (torch.randn(int(q_start[-1]), Hq, 64) * 2).to(qdtype)
+    return layout, pages, table, torch.tensor(n_groups), q_start, query, torch.tensor(skip)
+
+
+def _check_attention(layout, pages, table, ng, q_start, query, skip, scale, splits):
+    ref_out, ref_lse = packed_attention_reference(query, q_start, pages, layout, table, ng, skip,
+                                                  scale)
+    n, Hq, D = query.shape
+    out = torch.full((n, Hq, D), float("nan"), device=DEVICE)  # poisoned
+    lse = torch.full((n, Hq), 12345.0, device=DEVICE)
+    dev = lambda x: x.to(DEVICE)  # noqa: E731
+    got_out, got_lse = triton_ops.packed_attention(
+        dev(query), dev(q_start), dev(pages), layout, dev(table), dev(ng), dev(skip), scale,
+        num_splits=splits, out=out, lse=lse)
+    assert got_out is out and got_lse is lse
+    torch.testing.assert_close(out.cpu(), ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@on_device
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("T,block_size,H,Hq,splits,qdtype", [
+    (16, 32, 2, 6, 1, torch.float32),  # GQA 3 (not a power of two), one split
+    (32, 64, 1, 4, 3, torch.bfloat16),  # GQA 4, split-K
+    (64, 64, 2, 2, 2, torch.float16),  # no GQA, split-K
+])
+def test_attention_matches_reference(scheme, T, block_size, H, Hq, splits, qdtype):
+    # requests: long context with a skipped sink prefix and 2 query rows; empty context;
+    # context entirely skipped; one group; a context whose last group is partly skipped;
+    # a request with no query rows
+    n_groups = [5, 0, 1, 2, 3, 4]
+    q_rows = [2, 1, 1, 1, 3, 0]
+    skip = [3, 0, T, 0, 2 * T + 5, 0]
+    case = _attention_case(scheme, T, H, Hq, block_size, n_groups, q_rows, skip, T + Hq, qdtype)
+    _check_attention(*case, scale=0.125, splits=splits)
+
+
+@on_device
+@pytest.mark.parametrize("scheme", ["vidkv", "kivi2"])
+def test_attention_long_context_default_splits(scheme):
+    """A batch of decode rows over contexts of 20-37 groups (default split choice)."""
+    n_groups = [37, 20, 29]
+    case = _attention_case(scheme, 16, 2, 8, 16, n_groups, [1, 1, 1], [4, 0, 0], 3,
+                           torch.bfloat16)
+    _check_attention(*case, scale=64 ** -0.5, splits=None)
+
+
+@on_device
+def test_attention_chunked_prefill_rows_use_bigger_tiles():
+    """More query rows than requests: row tiles of 64 // G rows, a tile straddling nothing."""
+    case = _attention_case("vidkv_stp", 16, 1, 3, 16, [3, 2], [25, 40], [0, 1], 11,
+                           torch.float32)
+    _check_attention(*case, scale=0.1, splits=2)
+
+
+@on_device
+def test_store_then_attend_round_trip():
+    """Pages written by the Triton store kernel read by the Triton attention equal the
+    reference attention over the same pages."""
+    layout = _layout("vidkv", 32, 2, 64)
+    k, v = _kv(6, 32, 2, torch.bfloat16, seed=5)
+    gids = torch.tensor([7, 1, 4, 0, 2, 9])
+    pages = torch.full(layout.page_shape(5), POISON, dtype=torch.uint8, device=DEVICE)
+    triton_ops.quantize_and_store(k.to(DEVICE), v.to(DEVICE), gids.to(DEVICE), pages, layout)
+    table = gids.reshape(2, 3).int()
+    q = torch.randn(2, 8, 64)
+    _check_attention(layout, pages.cpu(), table, torch.tensor([3, 3]), torch.tensor([0, 1, 2]),
+                     q, torch.tensor([0, 0]), 0.125, None)
+
+
+def test_row_tiles_cover_every_row_once():
+    q_start = torch.tensor([0, 3, 3, 10, 11])
+    req, row0, bound = _row_tiles(q_start, 11, 4)
+    live = req >= 0
+    rows = []
+    for r, s in zip(req[live].tolist(), row0[live].tolist()):
+        end = min(s + 4, int(q_start[r + 1]))
+        assert int(q_start[r]) <= s < end
+        rows += list(range(s, end))
+    assert sorted(rows) == list(range(11)) and bound >= int(live.sum())
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests above run the compiled kernels")
+def test_kernels_compile_for_sm80_and_sm90():
+    """The kernels lower to cubins for sm_80 and sm_90 (no GPU needed; catches what the
+    interpreter cannot: layouts, dot shapes, register spills)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "triton_ops.compile_check", "--arch", "80", "90",
+                           "--scheme", "vidkv_stp", "kivi2"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2 * 2 * 3  # schemes x archs x (store, attention, combine)
+    assert all(r["registers"] > 0 for r in rows)
+    assert all(r["stack_bytes"] <= 256 for r in rows), rows  # at most light spilling

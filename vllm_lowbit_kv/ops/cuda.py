@@ -1,0 +1,169 @@
+"""The CUDA paged decode attention (``csrc/cuda/``): JIT build, page format, call.
+
+Build step (documented; nothing is compiled at import): the first call of
+:func:`load_extension` (or of :func:`packed_attention`) compiles
+``csrc/cuda/packed_attention.cu`` (the kernel, plain C interface, no torch
+headers) and ``csrc/cuda/bindings.cpp`` (the torch binding) with
+``torch.utils.cpp_extension.load`` for sm_80 and sm_90 (``-gencode``; override
+with ``LOWBIT_KV_CUDA_ARCHS="80;90"``), into torch's extension cache
+(``TORCH_EXTENSIONS_DIR``), about a minute once per machine. It needs a CUDA
+build of torch, nvcc and ninja. To build ahead of time::
+
+    python -m vllm_lowbit_kv.ops.cuda
+
+Everything here imports without CUDA (and without vLLM):
+:func:`unsupported_reason` says why the kernel cannot run (no CUDA device, a
+page format it does not read, too many query heads per KV head, a failed
+build) so a dispatcher can fall back.
+
+Formats: those of :mod:`vllm_lowbit_kv.ops.page_format` (kivi2, kivi4, vidkv,
+vidkv_stp, vidkv_k2v2, vidkv_k15v2) with at most 16 query heads per KV head.
+Like the Triton kernel, it skips the reference's +-65504 clamp of decoded
+VidKV keys (only matters at the fp16 limit).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from ..codecs.base import require
+from .page_format import PageFormat, fft_matrix, page_format
+
+SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc" / "cuda"
+SOURCES = ("bindings.cpp", "packed_attention.cu")
+EXTENSION = "lowbit_kv_cuda"
+MAX_GQA = 16  # LOWBIT_MAX_GQA in packed_attention.cuh
+LOG2E = 1.4426950408889634
+
+#: LowbitPageFormat's int32 fields in declaration order (csrc/cuda/packed_attention.cuh)
+FORMAT_FIELDS = (
+    "T", "D", "H", "N", "sink_bytes", "state_bytes", "key_kind", "key_bits", "n2", "n1", "fft",
+    "sign", "k_codes", "k_scale", "k_zero", "k_cmask", "k_scale2", "k_zero2", "k_lo", "k_hi",
+    "k_codes2", "k_codes1", "val_kind", "val_bits", "val_group", "n_protect", "v_codes",
+    "v_scale", "v_zero", "v_pscale", "v_pzero", "v_alpha", "v_tokmask", "v_pcodes", "v_trits",
+)
+
+_lock = threading.Lock()
+_module = None
+_build_error: str | None = None
+
+
+def cuda_arch_flags() -> list[str]:
+    archs = os.environ.get("LOWBIT_KV_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
+    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in (x.strip() for x in archs) if a]
+
+
+def load_extension(verbose: bool = False):
+    """Build (once per machine) and import the extension; raises RuntimeError when it cannot."""
+    global _module, _build_error
+    with _lock:
+        if _module is not None:
+            return _module
+        if _build_error is not None:
+            raise RuntimeError(_build_error)
+        missing = [s for s in SOURCES if not (SOURCE_DIR / s).exists()]
+        try:
+            if missing:
+                raise FileNotFoundError(f"{missing} not in {SOURCE_DIR} (use a source checkout)")
+            if torch.version.cuda is None:
+                raise RuntimeError(f"torch {torch.__version__} is not a CUDA build")
+            from torch.utils.cpp_extension import load
+
+            _module = load(name=EXTENSION, sources=[str(SOURCE_DIR / s) for s in SOURCES],
+                           extra_cflags=["-O3"], extra_cuda_cflags=["-O3", *cuda_arch_flags()],
+                           extra_include_paths=[str(SOURCE_DIR)], verbose=verbose)
+        except Exception as e:  # no nvcc, compile error: report once, let callers fall back
+            _build_error = f"lowbit-kv CUDA kernel unavailable: {type(e).__name__}: {e}"
+            raise RuntimeError(_build_error) from e
+        require(_module.format_fields == len(FORMAT_FIELDS), "LowbitPageFormat fields",
+                f"{len(FORMAT_FIELDS)} (FORMAT_FIELDS)", _module.format_fields)
+        return _module
+
+
+def format_values(fmt: PageFormat) -> list[int]:
+    """The LowbitPageFormat fields of a page format, in FORMAT_FIELDS order."""
+    sign = fmt.one_bit == 1
+    values = dict(
+        T=fmt.T, D=fmt.D, H=fmt.H, N=fmt.groups_per_block, sink_bytes=fmt.sink_bytes,
+        state_bytes=fmt.state_bytes, key_kind=fmt.key_kind, key_bits=fmt.key_bits, n2=fmt.n2,
+        n1=fmt.n1, fft=int(fmt.fft), sign=int(sign),
+        k_codes=fmt.koff("codes"), k_scale=fmt.koff("scale"), k_zero=fmt.koff("zero"),
+        k_cmask=fmt.koff("chan_mask"), k_scale2=fmt.koff("scale2"), k_zero2=fmt.koff("zero2"),
+        k_lo=fmt.koff("s1" if sign else "lo1"), k_hi=fmt.koff("s1" if sign else "hi1"),
+        k_codes2=fmt.koff("codes2"), k_codes1=fmt.koff("codes1"),
+        val_kind=fmt.val_kind, val_bits=fmt.val_bits, val_group=fmt.val_group,
+        n_protect=fmt.n_protect, v_codes=fmt.voff("codes"), v_scale=fmt.voff("scale"),
+        v_zero=fmt.voff("zero"), v_pscale=fmt.voff("prot_scale"), v_pzero=fmt.voff("prot_zero"),
+        v_alpha=fmt.voff("alpha"), v_tokmask=fmt.voff("tok_mask"),
+        v_pcodes=fmt.voff("prot_codes"), v_trits=fmt.voff("trits"))
+    return [int(values[name]) for name in FORMAT_FIELDS]
+
+
+def unsupported_reason(layout, device, num_q_heads: int | None = None) -> str | None:
+    """None when the CUDA kernel can run this layout on ``device``, else why not (builds
+    the extension on first use)."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return f"the CUDA kernel needs a CUDA device, not {device}"
+    fmt = page_format(layout)
+    if isinstance(fmt, str):
+        return fmt
+    if num_q_heads is not None and num_q_heads // layout.H > MAX_GQA:
+        return f"{num_q_heads // layout.H} query heads per KV head (the kernel takes {MAX_GQA})"
+    try:
+        load_extension()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def default_splits(device: torch.device, rows_x_heads: int, max_groups: int) -> int:
+    """Enough splits for ~4 blocks per SM; at least 4 groups per split."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-4 * sms // max(rows_x_heads, 1))
+    return max(1, min(want, max_groups // 4))
+
+
+def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Tensor, layout,
+                     group_table: torch.Tensor, num_groups: torch.Tensor,
+                     skip_tokens: torch.Tensor, scale: float, *, num_splits: int | None = None,
+                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract of :mod:`vllm_lowbit_kv.ops`, on a CUDA device (all tensors there)."""
+    fmt = page_format(layout)
+    if isinstance(fmt, str):
+        raise ValueError(f"lowbit-kv CUDA kernel: unsupported page format: {fmt}")
+    ext = load_extension()
+    n, Hq, D = query.shape
+    dev = query.device
+    out = torch.empty(n, Hq, D, dtype=torch.float32, device=dev) if out is None else out
+    lse = torch.empty(n, Hq, dtype=torch.float32, device=dev) if lse is None else lse
+    R = q_start.numel() - 1
+    max_groups = group_table.shape[1] if group_table.dim() == 2 else 0
+    if n == 0:
+        return out, lse
+    if R == 0 or max_groups == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    splits = num_splits or default_splits(dev, n * layout.H, max_groups)
+    per_split = -(-max_groups // max(1, min(splits, max_groups)))
+    splits = -(-max_groups // per_split)
+    empty = torch.empty(0, dtype=torch.float32, device=dev)
+    part_out = torch.empty(splits, n, Hq, D, dtype=torch.float32, device=dev) if splits > 1 else empty
+    part_lse = torch.empty(splits, n, Hq, dtype=torch.float32, device=dev) if splits > 1 else empty
+    fft = fft_matrix("inverse_t", fmt.n1, fmt.n1, dev) if fmt.fft else empty
+    ext.packed_attention(
+        query.float(), q_start.to(dev, torch.int64), pages.view(pages.shape[0], layout.H, -1),
+        group_table.to(dev, torch.int32), num_groups.to(dev, torch.int32),
+        skip_tokens.to(dev, torch.int32), fft, out, lse, part_out, part_lse,
+        format_values(fmt), per_split, splits, float(scale) * LOG2E)
+    return out, lse
+
+
+if __name__ == "__main__":
+    load_extension(verbose=True)
+    print(f"built {EXTENSION} for {cuda_arch_flags()}")
