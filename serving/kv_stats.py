@@ -263,7 +263,13 @@ class KVStats:
         blocks = Blocks(total=self.num_blocks, used=None, free=None, kv_cache_usage=None,
                         running_requests=None, waiting_requests=None, age_s=None,
                         source=self.stats_source)
-        if len(self.latest_scheduler) == 1 and self.num_blocks > 1:
+        if not self.latest_scheduler and self.stats_source.startswith("vLLM") and self.num_blocks > 1:
+            # the engine sends its first SchedulerStats with the first step's outputs: until
+            # then no request has held a block (vLLM's own gauge reads 0 too)
+            blocks = blocks.model_copy(update=dict(
+                used=0, free=self.num_blocks - 1, kv_cache_usage=0.0, running_requests=0,
+                waiting_requests=0, source="no engine step yet (empty since start-up)"))
+        elif len(self.latest_scheduler) == 1 and self.num_blocks > 1:
             t, s = next(iter(self.latest_scheduler.values()))
             usable = self.num_blocks - 1
             used = round(s.kv_cache_usage * usable)

@@ -17,3 +17,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# The session's one shared vidkv server (tests/_servers.py), for every e2e test module.
+from _servers import server  # noqa: E402,F401
