@@ -103,13 +103,18 @@ class VllmServer:
 
     def __init__(self, model_dir: str | Path, kv_cache_dtype: str, *, chunk: int, max_model_len: int,
                  kv_space_gib: int | None = None, additional_config: dict | None = None,
-                 max_num_seqs: int = 4, extra_args: Sequence[str] = (), log_path: str | Path | None = None):
+                 max_num_seqs: int = 4, extra_args: Sequence[str] = (), log_path: str | Path | None = None,
+                 prefix_caching: bool = False, env: dict[str, str] | None = None,
+                 kv_cache_bytes: int | None = None):
         self.model_dir, self.kv_cache_dtype = str(model_dir), kv_cache_dtype
         self.chunk, self.max_model_len = int(chunk), int(max_model_len)
         self.kv_space_gib = kv_space_gib
         self.additional_config = additional_config or None
         self.max_num_seqs, self.extra_args = max_num_seqs, list(extra_args)
         self.log_path = Path(log_path) if log_path else None
+        self.prefix_caching, self.extra_env = prefix_caching, dict(env or {})
+        #: exact KV budget (vLLM's --kv-cache-memory-bytes) instead of whole GiB
+        self.kv_cache_bytes = kv_cache_bytes
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
         self.model_name: str | None = None
@@ -120,15 +125,20 @@ class VllmServer:
         cmd = [sys.executable, "-m", "serving", "--model", self.model_dir,
                "--kv-cache-dtype", self.kv_cache_dtype, "--host", "127.0.0.1", "--port", str(port),
                "--enforce-eager", "--max-num-batched-tokens", str(self.chunk),
-               "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
-               "--no-enable-prefix-caching"]
+               "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs)]
+        if not self.prefix_caching:
+            cmd.append("--no-enable-prefix-caching")
         if self.additional_config:
             cmd += ["--additional-config", json.dumps({"lowbit_kv": self.additional_config})]
+        if self.kv_cache_bytes is not None:
+            cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         return cmd + self.extra_args
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        if self.kv_space_gib is not None:
+        env = {**os.environ, **self.extra_env}
+        if self.kv_cache_bytes is not None:
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # set, it would override the flag's bytes
+        elif self.kv_space_gib is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_space_gib)
         else:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_KV_SPACE_GIB))

@@ -11,6 +11,10 @@ itself is loaded by vLLM through the ``vllm.general_plugins`` entry point in
 every process; it is also registered here first so that the installed entry
 point is not required in this process.
 
+It also serves ``GET /v1/kv_cache/stats`` and ``lowbit_kv:*`` gauges on
+``/metrics`` (:mod:`serving.kv_stats`, attached here whether or not the
+endpoint plugin's entry point is installed and allowlisted).
+
 ``--lowbit-config FILE.json`` (ours, not vLLM's) holds the scheme parameters
 (:class:`vllm_lowbit_kv.config.LowBitKVConfig`: ``{"protect": 0.25,
 "sink_tokens": 4, ...}``); it is validated here and passed on as vLLM's
@@ -115,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_lowbit_kv.vllm_plugin import register
 
     register()
+    from serving.kv_stats import attach_in_process
+
+    attach_in_process()  # GET /v1/kv_cache/stats and the lowbit_kv:* gauges
     from vllm.entrypoints.launchers.api_server.entry import main as api_main
 
     sys.argv = ["python -m serving", *argv]

@@ -42,3 +42,7 @@ def rvq_codebook_file(tmp_path_factory):
         return made[name, model]
 
     return make
+
+
+# The session's one shared vidkv server (tests/_servers.py), for every e2e test module.
+from _servers import server  # noqa: E402,F401

@@ -1,40 +1,29 @@
 """The vLLM plugin and backend: registration in-process, then real servers.
 
-The lowbit server tests share one ``python -m serving --kv-cache-dtype vidkv
---lowbit-config ...`` server (session fixture, about 30 s to start on the
-embedded SmolLM2) configured to exercise everything at once: STP (``protect``
-0.2, relevance from the prefill queries), 4 bf16 sink tokens, layer 0 kept in
-bf16 (``skip_layers``), chunked prefill (max_num_batched_tokens=256, so a long
-prompt's later chunks read the packed pages), prefix caching (vLLM's default),
-and only 10 KV blocks (``--num-gpu-blocks-override``) so that concurrent
-requests get preempted. One module fixture starts two more short-lived
-servers side by side: ``--kv-cache-dtype auto`` through our launcher and stock
-vLLM (``VLLM_PLUGINS=none``), which must answer identically.
+The lowbit server tests share the session's one vidkv server (fixture
+``server``, tests/_servers.py: STP, sinks, a bf16 layer, chunked prefill, prefix
+caching, only 10 KV blocks so that concurrent requests get preempted). One
+module fixture starts two more short-lived servers side by side:
+``--kv-cache-dtype auto`` through our launcher and stock vLLM
+(``VLLM_PLUGINS=none``), which must answer identically.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
 import pytest
 
 vllm = pytest.importorskip("vllm")
 
+from _servers import (COMMON, fluent, long_prompt, metric, model_name, post,  # noqa: E402
+                      start_server, wait_idle)
 from vllm_lowbit_kv.schemes import SCHEMES, get_scheme  # noqa: E402
 from vllm_lowbit_kv.vllm_plugin import register  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-KV_SPACE_GIB = 1
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 CPU_BLOCK = 128
@@ -156,139 +145,6 @@ def test_spec_page_size_is_packed(plugin):
 
 # --------------------------------------------------------------------------- servers
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-COMMON = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4",
-          "--max-num-batched-tokens", "256", "--host", "127.0.0.1"]
-LOWBIT = {"protect": 0.2, "sink_tokens": 4, "skip_layers": [0]}
-NUM_BLOCKS = 10
-
-
-class _Server:
-    def __init__(self, cmd, log, env):
-        self.log = log
-        self.port = int(cmd[cmd.index("--port") + 1])
-        with open(log, "w") as f:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-
-    def wait_ready(self, timeout=300):
-        deadline = time.time() + timeout
-        while "Application startup complete" not in self.log.read_text():
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                pytest.fail(f"server did not start:\n{self.log.read_text()[-4000:]}")
-            time.sleep(1)
-        return self
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-
-
-def _start(tmp, name, args, stock=False, **env_extra):
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_SPACE_GIB), **env_extra)
-    env.pop("LOWBIT_KV_CONFIG_LOGGED", None)
-    port = str(_free_port())
-    if stock:
-        from vllm_lowbit_kv.model import prepare_model
-
-        env["VLLM_PLUGINS"] = "none"
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(prepare_model()), "--port", port, *args]
-    else:
-        cmd = [sys.executable, "-m", "serving", "--port", port, *args]
-    return _Server(cmd, tmp / f"{name}.log", env)
-
-
-@pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("server")
-    cfg = tmp / "lowbit.json"
-    cfg.write_text(json.dumps(LOWBIT))
-    s = _start(tmp, "vidkv", ["--kv-cache-dtype", "vidkv", "--lowbit-config", str(cfg),
-                              "--num-gpu-blocks-override", str(NUM_BLOCKS), *COMMON],
-               LOWBIT_KV_LOG_STAGING="1")
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
-
-
-def _model(port):
-    return _get(port, "/v1/models")["data"][0]["id"]
-
-
-def _get(port, path):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    c.request("GET", path)
-    return json.loads(c.getresponse().read())
-
-
-def _metric(port, name) -> float:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    c.request("GET", "/metrics")
-    text = c.getresponse().read().decode()
-    m = re.search(rf"^vllm:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    assert m, f"metric {name} not found"
-    return float(m.group(1))
-
-
-def _post(port, path, body, stream=False):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    c.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-    r = c.getresponse()
-    assert r.status == 200, r.read()
-    if not stream:
-        return json.loads(r.read())
-    events = []
-    for line in r:
-        line = line.strip()
-        if line.startswith(b"data:") and line != b"data: [DONE]":
-            events.append(json.loads(line[5:]))
-    return events
-
-
-def _long_prompt(i: int = 0, chars: int = 3000) -> str:
-    corpus = Path(os.environ.get("VLLM_LOWBIT_KV_CACHE", Path.home() / ".cache/vllm-lowbit-kv"))
-    p = corpus / "corpus" / "lee_background.txt"
-    if p.is_file():
-        lines = p.read_text().splitlines()
-        text = " ".join(lines[i * 6:(i + 1) * 6] + lines[:6])
-    else:
-        text = f"Story {i}. " + "The quick brown fox jumps over the lazy dog. " * 80
-    return text[:chars] + "\n\nSummary:"
-
-
-_STAGING = re.compile(r"freed \d+ staging slots of ended requests \((\d+) in use\)")
-
-
-def _wait_idle(server, timeout=60):
-    """Every block back in vLLM's free pool and every staging slot returned."""
-    deadline = time.time() + timeout
-    while True:
-        usage = _metric(server.port, "kv_cache_usage_perc")
-        staged = _STAGING.findall(server.log.read_text())
-        if usage == 0 and (not staged or staged[-1] == "0"):
-            return
-        assert time.time() < deadline, (usage, staged[-5:])
-        time.sleep(1)
-
-
-def _fluent(text: str, min_words: int = 15) -> bool:
-    words = text.split()
-    return len(words) > min_words and len(set(words)) > min_words // 2  # not a collapsed loop
-
-
 @pytest.mark.slow
 def test_config_logged_once_with_effective_bits(server):
     log = server.log.read_text()
@@ -304,22 +160,22 @@ def test_config_logged_once_with_effective_bits(server):
 @pytest.mark.slow
 def test_completions_stream_and_not(server):
     port = server.port
-    body = {"model": _model(port), "prompt": "The capital of France is Paris. The capital of Germany is",
+    body = {"model": model_name(port), "prompt": "The capital of France is Paris. The capital of Germany is",
             "max_tokens": 24, "temperature": 0}
-    text = _post(port, "/v1/completions", body)["choices"][0]["text"]
+    text = post(port, "/v1/completions", body)["choices"][0]["text"]
     assert text.startswith(" Berlin")
-    events = _post(port, "/v1/completions", {**body, "stream": True}, stream=True)
+    events = post(port, "/v1/completions", {**body, "stream": True}, stream=True)
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == text
 
 
 @pytest.mark.slow
 def test_chat_stream_and_not(server):
     port = server.port
-    body = {"model": _model(port), "max_tokens": 20, "temperature": 0,
+    body = {"model": model_name(port), "max_tokens": 20, "temperature": 0,
             "messages": [{"role": "user", "content": "What is 2+2? Answer briefly."}]}
-    text = _post(port, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    text = post(port, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
     assert "4" in text
-    events = _post(port, "/v1/chat/completions", {**body, "stream": True}, stream=True)
+    events = post(port, "/v1/chat/completions", {**body, "stream": True}, stream=True)
     streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     assert streamed == text
 
@@ -330,15 +186,15 @@ def test_long_prompt_reads_packed_pages_and_prefix_cache(server):
     scores from the chunk's last queries); the second time, the prompt's full blocks
     are prefix-cache hits, reused as packed bytes (sinks included)."""
     port = server.port
-    body = {"model": _model(port), "prompt": _long_prompt(), "max_tokens": 40, "temperature": 0}
-    hits = _metric(port, "prefix_cache_hits_total")
-    r = _post(port, "/v1/completions", body)
+    body = {"model": model_name(port), "prompt": long_prompt(), "max_tokens": 40, "temperature": 0}
+    hits = metric(port, "prefix_cache_hits_total")
+    r = post(port, "/v1/completions", body)
     assert r["usage"]["prompt_tokens"] > 256 + 64
-    assert _fluent(r["choices"][0]["text"]), r["choices"][0]["text"]
-    r2 = _post(port, "/v1/completions", body)
-    assert _metric(port, "prefix_cache_hits_total") - hits >= 256
-    assert _fluent(r2["choices"][0]["text"]), r2["choices"][0]["text"]
-    _wait_idle(server)
+    assert fluent(r["choices"][0]["text"]), r["choices"][0]["text"]
+    r2 = post(port, "/v1/completions", body)
+    assert metric(port, "prefix_cache_hits_total") - hits >= 256
+    assert fluent(r2["choices"][0]["text"]), r2["choices"][0]["text"]
+    wait_idle(server)
 
 
 @pytest.mark.slow
@@ -347,14 +203,14 @@ def test_preempted_requests_leave_nothing_behind(server):
     each needs a 4th while decoding: 16 blocks of the 10 there are, so vLLM preempts
     (frees the blocks, recomputes later). All finish fluently; blocks and staging slots
     go back."""
-    port, model = server.port, _model(server.port)
-    before = _metric(port, "num_preemptions_total")
-    prompts = [_post(port, "/tokenize", {"model": model, "prompt": _long_prompt(i + 1)})["tokens"][:370]
+    port, model = server.port, model_name(server.port)
+    before = metric(port, "num_preemptions_total")
+    prompts = [post(port, "/tokenize", {"model": model, "prompt": long_prompt(i + 1)})["tokens"][:370]
                for i in range(4)]
     results = [None] * 4
 
     def run(i):
-        results[i] = _post(port, "/v1/completions", {
+        results[i] = post(port, "/v1/completions", {
             "model": model, "prompt": prompts[i], "max_tokens": 30, "temperature": 0,
             "ignore_eos": True})
 
@@ -363,22 +219,22 @@ def test_preempted_requests_leave_nothing_behind(server):
         t.start()
     for t in threads:
         t.join(600)
-    assert _metric(port, "num_preemptions_total") > before
+    assert metric(port, "num_preemptions_total") > before
     for r in results:
         assert r is not None and r["usage"]["completion_tokens"] == 30
-        assert _fluent(r["choices"][0]["text"], 10), r["choices"][0]["text"]
-    _wait_idle(server)
+        assert fluent(r["choices"][0]["text"], 10), r["choices"][0]["text"]
+    wait_idle(server)
     assert "Traceback" not in server.log.read_text()
 
 
 @pytest.mark.slow
 def test_aborted_requests_leave_nothing_behind(server):
-    port, model = server.port, _model(server.port)
+    port, model = server.port, model_name(server.port)
     conns = []
     for i in range(3):
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
         c.request("POST", "/v1/completions",
-                  json.dumps({"model": model, "prompt": _long_prompt(i + 5, chars=1500),
+                  json.dumps({"model": model, "prompt": long_prompt(i + 5, chars=1500),
                               "max_tokens": 400, "temperature": 0, "stream": True}),
                   {"Content-Type": "application/json"})
         conns.append(c)
@@ -389,16 +245,16 @@ def test_aborted_requests_leave_nothing_behind(server):
             if n >= 5:
                 break
         c.close()
-    _wait_idle(server)
-    assert _metric(port, "num_requests_running") == 0
+    wait_idle(server)
+    assert metric(port, "num_requests_running") == 0
 
 
 @pytest.fixture(scope="module")
 def auto_and_stock(tmp_path_factory):
     """``--kv-cache-dtype auto`` through our launcher and stock vLLM, started side by side."""
     tmp = tmp_path_factory.mktemp("auto")
-    servers = [_start(tmp, "auto", ["--kv-cache-dtype", "auto", *COMMON]),
-               _start(tmp, "stock", ["--kv-cache-dtype", "auto", *COMMON], stock=True)]
+    servers = [start_server(tmp, "auto", ["--kv-cache-dtype", "auto", *COMMON]),
+               start_server(tmp, "stock", ["--kv-cache-dtype", "auto", *COMMON], stock=True)]
     try:
         yield [s.wait_ready() for s in servers]
     finally:
@@ -411,14 +267,14 @@ def test_auto_is_exactly_stock_vllm(auto_and_stock):
     auto, stock = auto_and_stock
     assert "using the LOWBIT_KV attention backend" not in auto.log.read_text()
     requests = [
-        ("/v1/completions", {"prompt": _long_prompt(), "max_tokens": 32, "temperature": 0,
+        ("/v1/completions", {"prompt": long_prompt(), "max_tokens": 32, "temperature": 0,
                              "logprobs": 2}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name three colors."}],
                                   "max_tokens": 24, "temperature": 0, "logprobs": True,
                                   "top_logprobs": 2}),
     ]
     for path, body in requests:
-        a = _post(auto.port, path, {"model": _model(auto.port), **body})
-        s = _post(stock.port, path, {"model": _model(stock.port), **body})
+        a = post(auto.port, path, {"model": model_name(auto.port), **body})
+        s = post(stock.port, path, {"model": model_name(stock.port), **body})
         assert a["choices"] == s["choices"], path
         assert a["usage"] == s["usage"]

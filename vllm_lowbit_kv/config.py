@@ -270,9 +270,12 @@ class LowBitKVConfig(BaseModel):
                            "(use --kv-cache-dtype auto)")
         return reasons
 
-    def summary(self, name: str, scheme: KVScheme, *, head_dim: int, num_kv_heads: int,
-                num_layers: int, block_size: int, model_dtype_bytes: int = 2) -> str:
-        """The start-up log line: the effective configuration and its honest bits."""
+    def bits_per_element(self, scheme: KVScheme, *, head_dim: int, num_kv_heads: int,
+                         num_layers: int, block_size: int,
+                         model_dtype_bytes: int = 2) -> dict[str, Any]:
+        """Honest bits per K/V element: ``groups`` (the codec groups), ``pages`` (every
+        byte of a page: sink area, padding), ``overall`` (over all layers, the
+        ``skip_layers`` in the model dtype); ``layout`` is the page layout."""
         from .paged import PagedLayout
         import torch
 
@@ -280,16 +283,25 @@ class LowBitKVConfig(BaseModel):
         dtype = {2: torch.bfloat16, 4: torch.float32}.get(model_dtype_bytes, torch.bfloat16)
         layout = PagedLayout(kc, vc, num_kv_heads, block_size, min(scheme.sink_tokens, kc.block_tokens),
                              dtype)
-        packed = scheme.effective_bits(head_dim)
         page = layout.bits_per_element
         n_skip = len(self.skip_layers)
         overall = (page * (num_layers - n_skip) + 8 * model_dtype_bytes * n_skip) / num_layers
+        return dict(groups=scheme.effective_bits(head_dim), pages=page, overall=overall, layout=layout)
+
+    def summary(self, name: str, scheme: KVScheme, *, head_dim: int, num_kv_heads: int,
+                num_layers: int, block_size: int, model_dtype_bytes: int = 2) -> str:
+        """The start-up log line: the effective configuration and its honest bits."""
+        kc, vc = scheme.codecs(head_dim)
+        bits = self.bits_per_element(scheme, head_dim=head_dim, num_kv_heads=num_kv_heads,
+                                     num_layers=num_layers, block_size=block_size,
+                                     model_dtype_bytes=model_dtype_bytes)
+        packed, page, overall = bits["groups"], bits["pages"], bits["overall"]
+        layout = bits["layout"]
+        n_skip = len(self.skip_layers)
         params = {"k": kc, "v": vc}
         # learned state kept outside the pages, for the packed layers (RVQ codebooks)
         side = sum(getattr(c, "codebook_bytes", 0) for c in (kc, vc)) * (num_layers - n_skip)
-        codec_desc = "; ".join(
-            f"{w} {type(c).__name__}({', '.join(f'{p}={getattr(c, p)!r}' for p in _shown(c))})"
-            for w, c in params.items())
+        codec_desc = "; ".join(f"{w} {describe_codec(c)}" for w, c in params.items())
         return (
             f"lowbit-kv: --kv-cache-dtype {name} ({scheme.summary}); {codec_desc}; "
             f"block_tokens={scheme.block_tokens} sink_tokens={scheme.sink_tokens} "
@@ -302,6 +314,11 @@ class LowBitKVConfig(BaseModel):
             f"({layout.bytes_per_token:.1f} B/token vs {2 * num_kv_heads * head_dim * model_dtype_bytes} "
             f"in the model dtype)"
             + (f"; outside the pages: codebooks {side / 2**20:.2f} MiB" if side else ""))
+
+
+def describe_codec(codec) -> str:
+    """``VidKVKeyCodec(k=0.5, fft=True, ...)``: the class and its constructor parameters."""
+    return f"{type(codec).__name__}({', '.join(f'{p}={getattr(codec, p)!r}' for p in _shown(codec))})"
 
 
 def _shown(codec) -> list[str]:

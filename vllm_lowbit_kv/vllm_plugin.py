@@ -23,7 +23,10 @@ explains each hook):
    (:func:`vllm_lowbit_kv.vllm_backend.check_vllm_config`). Other dtypes are
    untouched (a stray ``lowbit_kv`` entry only draws a warning);
 6. on any other platform (CUDA, ROCm, ...), where no backend of ours exists
-   yet, refuses our dtypes when vLLM builds its config.
+   yet, refuses our dtypes when vLLM builds its config;
+7. adds the worker method :data:`vllm_lowbit_kv.kv_stats.WORKER_METHOD` to
+   vLLM's ``WorkerBase``, which the API server's ``/v1/kv_cache/stats`` route
+   reaches with ``collective_rpc`` (staging slots, evicted pairs, KV bytes).
 """
 
 from __future__ import annotations
@@ -170,6 +173,15 @@ def _refuse_other_platforms() -> None:
     cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[assignment]
 
 
+def _install_worker_stats_method() -> None:
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from .kv_stats import WORKER_METHOD, worker_snapshot
+
+    if not hasattr(WorkerBase, WORKER_METHOD):
+        setattr(WorkerBase, WORKER_METHOD, worker_snapshot)  # called as worker.<method>()
+
+
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group (idempotent)."""
     global _registered
@@ -182,5 +194,6 @@ def register() -> None:
     _patch_cpu_platform()
     _patch_cpu_config_check()
     _refuse_other_platforms()
+    _install_worker_stats_method()
     _registered = True
     logger.debug("vllm_lowbit_kv plugin registered kv-cache dtypes %s", names)

@@ -1,0 +1,379 @@
+"""Serving throughput per KV dtype at one KV memory budget, against bfloat16 in the same run.
+
+    python -m bench.throughput             # bfloat16, fp8, vidkv, kivi2, quantile1 (long: hours on 2 cores)
+    python -m bench.throughput --quick     # bfloat16 and vidkv, a small workload (development)
+    python -m bench.throughput --dtypes vidkv --rates 0.05,inf --requests 12
+
+One server at a time (``python -m serving --kv-cache-dtype X --enforce-eager
+--no-enable-prefix-caching``, :class:`bench.vllm_engine.VllmServer`), each with
+the same KV memory budget, ``--kv-cache-memory-bytes`` (the field
+``VLLM_CPU_KVCACHE_SPACE`` fills, in bytes rather than whole GiB: 1 GiB holds
+46,592 bfloat16 tokens of SmolLM2, which would take ~20 concurrent long
+requests to fill, and today's pure-PyTorch decode of packed pages cannot serve
+4x that on 2 cores in useful time). The default budget holds about 1.6 of the
+workload's requests in bfloat16 and about 13 in vidkv (which then runs all 12
+at once), so bfloat16 is capacity-bound. The JSON and plot are rewritten after
+every dtype (``complete`` says whether all ran).
+
+The workload is fixed by ``--seed``: ``--requests`` prompts of uniformly drawn
+length in ``--prompt-tokens`` (token ids of the Lee corpus from random
+offsets, sent as token lists), ``--output-tokens`` each (``ignore_eos``,
+greedy), streamed over HTTP. For each request rate of ``--rates`` (Poisson
+arrivals; ``inf`` = all at once) the same requests run; meanwhile ``/metrics``
+is polled every 0.5 s. Per (dtype, rate): output tokens/s (all output tokens
+over the first send to the last token), peak and mean ``vllm:num_requests_running``,
+peak ``vllm:kv_cache_usage_perc``, preemptions, TTFT and TPOT (time per output
+token after the first) percentiles, and each as a ratio to bfloat16 at the same
+rate; per dtype: KV capacity in tokens (vLLM's, and ``/v1/kv_cache/stats``).
+JSON (with the command) to ``--json``, a plot to ``--png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import random
+import re
+import shlex
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.vllm_engine import ServerRefused, VllmServer
+
+REFERENCE = "bfloat16"
+DEFAULT_DTYPES = "bfloat16,fp8,vidkv,kivi2,quantile1"
+MIB = 2**20
+POLL_S = 0.5
+QUICK = dict(dtypes="bfloat16,vidkv", requests=6, prompt_tokens="1024,1536", output_tokens=64,
+             rates="inf", kv_cache_mib=48, max_model_len=2048)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    quick = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
+    p.add_argument("--quick", action="store_true", help=f"development run: {quick} (unless given)")
+    p.add_argument("--dtypes", default=DEFAULT_DTYPES, help="bfloat16 is always included")
+    p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
+    p.add_argument("--kv-cache-mib", type=float, default=96,
+                   help="KV memory budget (MiB), every dtype (96: bfloat16 holds ~1.6 requests)")
+    p.add_argument("--requests", type=int, default=12, help="requests per rate")
+    p.add_argument("--prompt-tokens", default="1024,4096", help="min,max prompt length (tokens)")
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--rates", default="0.05,inf", help="requests/s, comma-separated; inf = all at once")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=4352)
+    p.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="bench/results/throughput.json")
+    p.add_argument("--png", default="bench/results/throughput.png")
+    return p
+
+
+# --------------------------------------------------------------------------- workload
+def make_workload(model_dir: str, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    """``n`` token-id prompts, lengths uniform in [lo, hi], from random corpus offsets."""
+    from transformers import AutoTokenizer
+
+    from bench.corpus import default_text
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(default_text())["input_ids"]
+    if len(ids) < hi + 1:
+        raise ValueError(f"--prompt-tokens max {hi} exceeds the corpus ({len(ids)} tokens)")
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        length = rng.randint(lo, hi)
+        start = rng.randrange(0, len(ids) - length)
+        prompts.append(ids[start:start + length])
+    return prompts
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed + 1)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# --------------------------------------------------------------------------- one rate
+def _stream_one(port: int, model: str, prompt: list[int], max_tokens: int, t_send: float,
+                rec: dict) -> None:
+    rec.update(t_send=t_send, t_first=None, t_last=None, tokens=0, error=None)
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=7200)
+    try:
+        c.request("POST", "/v1/completions", json.dumps({
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}),
+            {"Content-Type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+            rec["error"] = f"HTTP {r.status}: {r.read()[:300]!r}"
+            return
+        for line in r:
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if ev.get("choices") and ev["choices"][0].get("text"):
+                now = time.time()
+                rec["t_first"] = rec["t_first"] or now
+                rec["t_last"] = now
+            if ev.get("usage"):
+                rec["tokens"] = ev["usage"]["completion_tokens"]
+    except (OSError, http.client.HTTPException) as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        c.close()
+
+
+class MetricsPoller(threading.Thread):
+    """Polls vLLM's /metrics: running/waiting requests, KV usage, preemptions."""
+
+    def __init__(self, port: int):
+        super().__init__(daemon=True)
+        self.port, self.samples, self.stop_flag = port, [], threading.Event()
+
+    def read(self) -> dict[str, float]:
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            c.request("GET", "/metrics")
+            text = c.getresponse().read().decode(errors="replace")
+        finally:
+            c.close()
+        out = {}
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                     "num_preemptions_total"):
+            m = re.search(rf"^vllm:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+            out[name] = float(m.group(1)) if m else 0.0
+        return out
+
+    def run(self) -> None:
+        while not self.stop_flag.is_set():
+            try:
+                self.samples.append(self.read())
+            except (OSError, http.client.HTTPException):
+                pass
+            self.stop_flag.wait(POLL_S)
+
+
+def _pct(xs: list[float]) -> dict[str, float] | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    at = lambda q: xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]  # noqa: E731
+    return dict(p50=round(at(0.5), 4), p90=round(at(0.9), 4), p99=round(at(0.99), 4),
+                mean=round(sum(xs) / len(xs), 4))
+
+
+def run_rate(server: VllmServer, prompts: list[list[int]], output_tokens: int, rate: float,
+             seed: int) -> dict[str, Any]:
+    poller = MetricsPoller(server.port)
+    before = poller.read()
+    poller.start()
+    recs = [dict() for _ in prompts]
+    threads = []
+    t0 = time.time()
+    for i, (prompt, at) in enumerate(zip(prompts, arrival_times(len(prompts), rate, seed))):
+        time.sleep(max(0.0, t0 + at - time.time()))
+        th = threading.Thread(target=_stream_one, args=(server.port, server.model_name, prompt,
+                                                        output_tokens, time.time(), recs[i]))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    poller.stop_flag.set()
+    poller.join()
+    after = poller.read()
+    errors = [r["error"] for r in recs if r.get("error")]
+    done = [r for r in recs if not r.get("error") and r["t_first"]]
+    tokens = sum(r["tokens"] for r in done)
+    span = max(r["t_last"] for r in done) - min(r["t_send"] for r in recs) if done else None
+    running = [s["num_requests_running"] for s in poller.samples] or [0.0]
+    return dict(
+        rate=rate if not math.isinf(rate) else "inf", requests=len(prompts), completed=len(done),
+        errors=errors[:5], output_tokens=tokens, seconds=round(span, 2) if span else None,
+        output_tokens_per_s=round(tokens / span, 3) if span else None,
+        requests_per_min=round(60 * len(done) / span, 3) if span else None,
+        peak_running=max(running), mean_running=round(sum(running) / len(running), 2),
+        peak_waiting=max((s["num_requests_waiting"] for s in poller.samples), default=0.0),
+        peak_kv_usage=max((s["kv_cache_usage_perc"] for s in poller.samples), default=0.0),
+        preemptions=after["num_preemptions_total"] - before["num_preemptions_total"],
+        ttft_s=_pct([r["t_first"] - r["t_send"] for r in done]),
+        tpot_s=_pct([(r["t_last"] - r["t_first"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]),
+        e2e_s=_pct([r["t_last"] - r["t_send"] for r in done]),
+    )
+
+
+# --------------------------------------------------------------------------- all dtypes
+RATIO_KEYS = ("output_tokens_per_s", "peak_running", "mean_running", "requests_per_min")
+PCT_RATIO_KEYS = ("ttft_s", "tpot_s", "e2e_s")
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each figure over bfloat16's at the same rate (same run)."""
+    ref = {str(p["rate"]): p for r in rows if r["dtype"] == REFERENCE and r["status"] == "ok"
+           for p in r["points"]}
+    ref_cap = next((r["capacity_tokens"] for r in rows if r["dtype"] == REFERENCE and r["status"] == "ok"),
+                   None)
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        r["capacity_x_bf16"] = round(r["capacity_tokens"] / ref_cap, 4) if ref_cap else None
+        for p in r["points"]:
+            b = ref.get(str(p["rate"]))
+            if b is None:
+                continue
+            ratios = {k: round(p[k] / b[k], 4) for k in RATIO_KEYS if p.get(k) and b.get(k)}
+            for k in PCT_RATIO_KEYS:
+                if p.get(k) and b.get(k):
+                    ratios[f"{k}_p50"] = round(p[k]["p50"] / b[k]["p50"], 4)
+                    ratios[f"{k}_p90"] = round(p[k]["p90"] / b[k]["p90"], 4)
+            p["x_bf16"] = ratios
+
+
+def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]:
+    server = VllmServer(args.model, dtype, chunk=args.chunk, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB))
+    row: dict[str, Any] = dict(dtype=dtype, status="ok", reason=None)
+    try:
+        server.start()
+    except ServerRefused as e:
+        row.update(status="refused", reason=e.reason)
+        return row
+    try:
+        info = server.cache_info()
+        stats = server.get("/v1/kv_cache/stats")
+        row.update(capacity_tokens=info.get("capacity_tokens"), num_blocks=info.get("num_blocks"),
+                   effective_bits=stats["effective_bits"]["overall"],
+                   allocated_bits=stats["effective_bits"]["allocated"],
+                   kv_cache_bytes=stats["capacity"]["kv_cache_bytes"],
+                   startup_s=server.startup_s, points=[])
+        avg_len = sum(len(p) for p in prompts) / len(prompts) + args.output_tokens
+        row["fits_requests"] = round(row["capacity_tokens"] / avg_len, 2)
+        log(f"{dtype}: capacity {row['capacity_tokens']} tokens (~{row['fits_requests']} requests)")
+        for rate in rates:
+            point = run_rate(server, prompts, args.output_tokens, rate, args.seed)
+            row["points"].append(point)
+            log(f"{dtype} rate {point['rate']}: {point['output_tokens_per_s']} tok/s, peak running "
+                f"{point['peak_running']}, TTFT p50 {point['ttft_s'] and point['ttft_s']['p50']} s, "
+                f"TPOT p50 {point['tpot_s'] and point['tpot_s']['p50']} s, errors {len(point['errors'])}")
+    finally:
+        server.stop()
+    return row
+
+
+def plot(rows: list[dict], path: str | Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    rates = [str(p["rate"]) for p in ok[0]["points"]] if ok else []
+    panels = [("output_tokens_per_s", "output tokens/s", None), ("peak_running", "peak running requests", None),
+              ("ttft_s", "TTFT p50 (s)", "p50"), ("tpot_s", "TPOT p50 (s)", "p50")]
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
+    width = 0.8 / max(1, len(ok))
+    for ax, (key, label, sub) in zip(axes, panels):
+        for j, r in enumerate(ok):
+            ys = [(p[key][sub] if sub else p[key]) if p.get(key) is not None else 0 for p in r["points"]]
+            xs = [i + j * width for i in range(len(ys))]
+            bars = ax.bar(xs, ys, width, label=r["dtype"], color="black" if r["dtype"] == REFERENCE else None)
+            for b, p in zip(bars, r["points"]):
+                ratio = p.get("x_bf16", {}).get(f"{key}_p50" if sub else key)
+                if ratio is not None and r["dtype"] != REFERENCE:
+                    ax.annotate(f"{ratio:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+                                ha="center", va="bottom", fontsize=7)
+        ax.set_xticks([i + width * (len(ok) - 1) / 2 for i in range(len(rates))],
+                      [f"rate {x}/s" if x != "inf" else "all at once" for x in rates])
+        ax.set_title(label, fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        given = {a.split("=")[0] for a in argv if a.startswith("--")}
+        for k, v in QUICK.items():
+            if f"--{k.replace('_', '-')}" not in given:
+                setattr(args, k, v)
+    if args.model is None:
+        from vllm_lowbit_kv.model import prepare_model
+        args.model = str(prepare_model())
+    dtypes = list(dict.fromkeys([REFERENCE] + [d.strip() for d in args.dtypes.split(",") if d.strip()]))
+    lo, hi = (int(x) for x in args.prompt_tokens.split(","))
+    rates = [float(x) for x in args.rates.split(",")]
+    if hi + args.output_tokens > args.max_model_len:
+        parser.error(f"--max-model-len {args.max_model_len} must hold --prompt-tokens max {hi} + "
+                     f"--output-tokens {args.output_tokens}")
+    prompts = make_workload(args.model, args.requests, lo, hi, args.seed)
+    t0 = time.time()
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    probe = VllmServer(args.model, "<dtype>", chunk=args.chunk, max_model_len=args.max_model_len,
+                       max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB))
+    rows: list[dict] = []
+    result = dict(
+        command="python -m bench.throughput " + shlex.join(argv),
+        server_command="env -u VLLM_CPU_KVCACHE_SPACE " + shlex.join(probe.command(0)),
+        model=args.model, kv_cache_bytes=int(args.kv_cache_mib * MIB), requests=args.requests,
+        prompt_tokens=[lo, hi], prompt_tokens_total=sum(len(p) for p in prompts),
+        output_tokens=args.output_tokens, rates=[r if not math.isinf(r) else "inf" for r in rates],
+        seed=args.seed, max_num_seqs=args.max_num_seqs, chunk=args.chunk, dtypes=dtypes,
+        complete=False, elapsed_s=None, rows=rows,
+        note=("decode of packed pages is pure PyTorch (every step decodes every running request's "
+              "whole context in every layer); a C++ CPU kernel is to land later"),
+    )
+    title = (f"{Path(args.model).name}: KV budget {args.kv_cache_mib:g} MiB, {args.requests} requests "
+             f"of {lo}-{hi} prompt + {args.output_tokens} output tokens")
+    for d in dtypes:  # written after every dtype: a long run keeps what it measured
+        rows.append(measure_dtype(d, args, prompts, rates, log))
+        add_ratios(rows)
+        result.update(elapsed_s=round(time.time() - t0, 1), complete=len(rows) == len(dtypes))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        if args.png:
+            Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+            plot(rows, args.png, title)
+    print(format_table(result))
+    return result
+
+
+def format_table(result: dict) -> str:
+    head = f"{'dtype':10} {'rate':>6} {'capacity':>9} {'x':>5} {'tok/s':>7} {'x':>5} {'peak run':>8} " \
+           f"{'x':>5} {'TTFT p50':>8} {'TPOT p50':>8} {'err':>3}"
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"{r['dtype']:10} refused: {r['reason']}")
+            continue
+        for p in r["points"]:
+            x = p.get("x_bf16", {})
+            f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+            lines.append(
+                f"{r['dtype']:10} {str(p['rate']):>6} {r['capacity_tokens']:>9} "
+                f"{f(r.get('capacity_x_bf16'), '.2f'):>5} {f(p['output_tokens_per_s'], '.2f'):>7} "
+                f"{f(x.get('output_tokens_per_s'), '.2f'):>5} {p['peak_running']:>8.0f} "
+                f"{f(x.get('peak_running'), '.2f'):>5} {f(p['ttft_s'] and p['ttft_s']['p50'], '.2f'):>8} "
+                f"{f(p['tpot_s'] and p['tpot_s']['p50'], '.3f'):>8} {len(p['errors']):>3}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

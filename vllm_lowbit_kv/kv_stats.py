@@ -1,0 +1,85 @@
+"""Engine-side KV figures that only the worker knows: staging slots, evicted pairs, KV bytes.
+
+vLLM's API server (where ``/v1/kv_cache/stats`` and ``/metrics`` live) and the
+engine core with its workers are separate processes. Block usage reaches the
+API server through vLLM's own ``SchedulerStats``; what only the worker knows
+is fetched with ``engine_client.collective_rpc(WORKER_METHOD)``, the channel
+vLLM's endpoint-plugin contract names for this. The general plugin
+(:func:`vllm_lowbit_kv.vllm_plugin.register`, loaded in every process)
+installs :data:`WORKER_METHOD` on vLLM's ``WorkerBase``; it returns
+:func:`worker_snapshot`.
+
+Eviction feeds :data:`EVICTION` in the worker process:
+``EVICTION.enable()`` once when an eviction policy is configured, then
+``EVICTION.record(n)`` for every ``n`` K/V pairs it drops (one pair = one
+token's key and value of one KV head in one layer). Until then the figures
+say ``enabled: false`` and 0 pairs.
+
+No vLLM import here: the worker side reads what vLLM objects it is handed.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .codecs.base import require
+
+#: name of the worker method the general plugin installs (collective_rpc target)
+WORKER_METHOD = "lowbit_kv_stats"
+
+
+@dataclass
+class EvictionCounter:
+    """K/V pairs dropped by KV eviction in this worker (monotonic)."""
+
+    enabled: bool = False
+    evicted_pairs: int = 0
+
+    def enable(self) -> None:
+        self.enabled = True
+
+    def record(self, pairs: int) -> None:
+        require(isinstance(pairs, int) and pairs >= 0, "pairs", "an int >= 0", pairs)
+        self.evicted_pairs += pairs
+
+
+EVICTION = EvictionCounter()
+
+
+def staging_pools() -> list[Any]:
+    """The staging allocators of the LOWBIT_KV metadata builders alive in this process
+    (one per KV cache group served by our backend; none if it was never built)."""
+    backend = sys.modules.get("vllm_lowbit_kv.vllm_backend")
+    if backend is None:
+        return []
+    return [b.alloc for b in list(backend._BUILDERS)]
+
+
+def worker_snapshot(worker: Any = None) -> dict[str, Any]:
+    """Plain data (it crosses process boundaries with msgpack) about this worker's KV.
+
+    ``kv_cache_bytes``: bytes vLLM allocated for the KV cache (the backing
+    allocation its ``KVCacheConfig.kv_cache_tensors`` share), ``num_blocks`` the
+    blocks it holds;
+    ``staging_*``: slots of the bf16 staging pools (:class:`~vllm_lowbit_kv.paged.StagingAllocator`),
+    which sit outside vLLM's KV budget; ``eviction_enabled`` / ``evicted_pairs``: :data:`EVICTION`.
+    """
+    pools = staging_pools()
+    out: dict[str, Any] = dict(
+        staging_pools=len(pools),
+        staging_slots_total=sum(p.num_slots for p in pools),
+        staging_slots_in_use=sum(p.in_use for p in pools),
+        staging_stale_reused=sum(p.stale_reused for p in pools),
+        eviction_enabled=EVICTION.enabled,
+        evicted_pairs=EVICTION.evicted_pairs,
+        kv_cache_bytes=None,
+        num_blocks=None,
+    )
+    kv_config = getattr(getattr(worker, "model_runner", None), "kv_cache_config", None)
+    if kv_config is not None:
+        # every KVCacheTensor places its layers in one shared backing allocation of `size` bytes
+        out["kv_cache_bytes"] = int(max((t.size for t in kv_config.kv_cache_tensors), default=0))
+        out["num_blocks"] = int(kv_config.num_blocks)
+    return out
