@@ -89,6 +89,9 @@ class Engine(ABC):
     max_positions: int
     #: False: an eviction policy is refused with :meth:`eviction_refusal`
     supports_eviction: bool = False
+    #: True: one engine runs every eviction variant from one prefill (the variant
+    #: methods); False: the driver makes one engine per variant (``eviction=`` policy)
+    variants_share_prefill: bool = False
 
     @abstractmethod
     def logprobs_teacher_forced(self, ids: Sequence[int], chunk: int) -> torch.Tensor:
@@ -147,6 +150,7 @@ class HFEngine(Engine):
     """transformers model + LowBitKVCache (DynamicCache for the bf16 reference)."""
 
     supports_eviction = True
+    variants_share_prefill = True
 
     def __init__(self, model_dir: str | Path, kv_cache_dtype: str, *, block_tokens: int | None = None,
                  sink_tokens: int | None = None, skip_layers: Sequence[int] = (),
@@ -600,7 +604,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                   relevance=args.relevance)
     params, codebooks = scheme_params(names[1:], args)
     probe = make_engine(args.engine, args.model, REFERENCE, **eng_kw)
-    if args.kv_eviction and probe.eviction_refusal():
+    if args.kv_eviction and not probe.supports_eviction:
         raise SystemExit(f"--kv-eviction with --engine {args.engine}: {probe.eviction_refusal()}")
     too_long = [L for L in args.passkey_lengths if L > probe.max_positions]
     if too_long:
@@ -627,26 +631,26 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                       model_dtype="bfloat16", torch_threads=torch.get_num_threads()),
         rows=[],
     )
-    policies = [pol for _, pol in variants]
-    V = len(variants)
     work_per_scheme = (len(ppl_ids) + sum(c["length"] for c in cells)
                        + len(prompts) * (args.agreement_prompt_tokens + args.agreement_tokens))
     bar = tqdm(total=work_per_scheme * len(names), unit="tok", unit_scale=True, dynamic_ncols=True,
                disable=args.no_progress, desc="quality")
-    ref_ppl, ref_gen = None, []
+    ref: dict[str, Any] = dict(ppl=None, gen=[])
     t_all = time.time()
-    for name in names:
+
+    def run_group(name: str, eng: Engine, group: list[tuple[str, Any]]) -> None:
+        """One engine, its variants (eviction policies, None first if present): rows."""
         t0 = time.time()
-        eng = probe if name == REFERENCE else make_engine(args.engine, args.model, name, **eng_kw,
-                                                          params=params.get(name))
+        policies = [pol for _, pol in group]
+        V = len(group)
         bar.set_postfix_str(f"{name}: ppl")
         if args.kv_eviction:
             ppl_runs = eng.logprobs_variants(ppl_ids, args.chunk, prompt_tokens, policies)
         else:  # the plain yardstick: every token of the text
             ppl_runs = [dict(logprobs=eng.logprobs_teacher_forced(ppl_ids, args.chunk), plan=None,
                              kv_memory=eng.kv_memory())]
-        ppls = [math.exp(-r["logprobs"].double().mean().item()) for r in ppl_runs]
-        bar.update(len(ppl_ids))
+        ppls = [None if r["logprobs"] is None else math.exp(-r["logprobs"].double().mean().item())
+                for r in ppl_runs]
 
         bar.set_postfix_str(f"{name}: passkey")
         details: list[list[dict]] = [[] for _ in range(V)]
@@ -659,31 +663,29 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                 m = re.search(r"\d+", answer)
                 details[v].append(dict(c, prompt_tokens=len(ids), answer=answer,
                                        correct=bool(m and m.group(0) == str(c["passkey"]))))
-            bar.update(c["length"])
 
         bar.set_postfix_str(f"{name}: agreement")
         agree: list[list[int]] = [[] for _ in range(V)]
         for i, p in enumerate(prompts):
-            if name == REFERENCE:  # the reference: bf16 without eviction (variant 0)
-                ref_gen.append(eng.greedy(p, args.agreement_tokens, args.chunk))
-            refs = [ref_gen[i]] * V
+            if name == REFERENCE and policies[0] is None:  # the reference: bf16 without eviction
+                ref["gen"].append(eng.greedy(p, args.agreement_tokens, args.chunk))
+            refs = [ref["gen"][i]] * V
             gens = (eng.greedy_variants(p, args.agreement_tokens, args.chunk, policies, refs)
                     if args.kv_eviction else [eng.greedy(p, args.agreement_tokens, args.chunk, reference=refs[0])])
             for v, gen in enumerate(gens):
-                agree[v].append(next((j for j, (a, b) in enumerate(zip(gen, ref_gen[i])) if a != b),
-                                     min(len(gen), len(ref_gen[i]))))
-            bar.update(args.agreement_prompt_tokens + args.agreement_tokens)
+                agree[v].append(next((j for j, (a, b) in enumerate(zip(gen, refs[v])) if a != b),
+                                     min(len(gen), len(refs[v]))))
 
-        if name == REFERENCE:
-            ref_ppl = ppls[0]
+        if name == REFERENCE and policies[0] is None:
+            ref["ppl"] = ppls[0]
         seconds = round(time.time() - t0, 1)
-        for v, ((label, pol), run_, ppl) in enumerate(zip(variants, ppl_runs, ppls)):
+        for v, ((label, pol), run_, ppl) in enumerate(zip(group, ppl_runs, ppls)):
             det = details[v]
             memory = run_["kv_memory"]
             row = dict(
                 scheme=name, eviction=pol.name if pol else None, retention=pol.retention if pol else None,
                 label=f"{name}+{label}" if pol else name, effective_bits=eng.effective_bits(), ppl=ppl,
-                ppl_ratio_vs_bf16=ppl / ref_ppl,
+                ppl_ratio_vs_bf16=None if ppl is None else ppl / ref["ppl"],
                 passkey_acc=(sum(d["correct"] for d in det) / len(det)) if det else None,
                 passkey_by_length={str(L): sum(d["correct"] for d in det if d["length"] == L)
                                    / max(1, sum(d["length"] == L for d in det)) for L in args.passkey_lengths},
@@ -696,17 +698,34 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
             )
             if name in codebooks:  # learned state outside the pages, and how it was made
                 row["codebook"] = codebooks[name]
+            if run_.get("note"):
+                row["note"] = run_["note"]
             if not args.kv_eviction:
                 for k in ("eviction", "retention", "label", "eviction_plan"):
                     row.pop(k)
             result["rows"].append(row)
-            tqdm.write(f"{row.get('label', name)}: bits {row['effective_bits']:.3f}  ppl {ppl:.3f} "
-                       f"(x{row['ppl_ratio_vs_bf16']:.3f})  passkey {row['passkey_acc']}  "
+            tqdm.write(f"{row.get('label', name)}: bits {row['effective_bits']:.3f}  ppl {ppl}  "
+                       f"(x{row['ppl_ratio_vs_bf16']})  passkey {row['passkey_acc']}  "
                        f"agreement {row['agreement']}", file=sys.stderr)
         tqdm.write(f"{name}: {seconds:.0f}s", file=sys.stderr)
         result["elapsed_s"] = round(time.time() - t_all, 1)
-        if args.json:  # after every scheme, so that an interrupted run keeps what it has
+        if args.json:  # after every group, so that an interrupted run keeps what it has
             _write_json(result, args.json)
+
+    for name in names:
+        eng = probe if name == REFERENCE else make_engine(args.engine, args.model, name, **eng_kw,
+                                                          params=params.get(name))
+        if not args.kv_eviction or eng.variants_share_prefill:
+            run_group(name, eng, variants)
+        else:  # one engine (server) per eviction setting
+            run_group(name, eng, variants[:1])
+            if eng.eviction_refusal():
+                tqdm.write(f"{name}: no eviction rows ({eng.eviction_refusal()})", file=sys.stderr)
+                continue
+            for v in variants[1:]:
+                run_group(name, make_engine(args.engine, args.model, name, eviction=v[1], **eng_kw,
+                                            params=params.get(name)), [v])
+        bar.update(work_per_scheme)
     bar.close()
     print(format_table(result["rows"], args.passkey_lengths))
     if args.png:

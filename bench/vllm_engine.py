@@ -345,13 +345,23 @@ class VllmEngine(Engine):
     RVQ ``codebook`` file); ``relevance`` must stay ``auto`` (the backend
     computes its own). They are ignored for vLLM's own dtypes, as the HF engine
     ignores them for the bf16 reference.
+
+    ``eviction`` (an :class:`~vllm_lowbit_kv.eviction.EvictionPolicy`): the server
+    evicts every request after its prefill (``lowbit_kv`` fields ``eviction``,
+    ``retention``, ``eviction_gamma``, ``eviction_sinks``, ``recent_window``); one
+    engine per policy (the yardstick makes them). Generation only: vLLM computes
+    ``prompt_logprobs`` during the prefill, before the eviction, so there is no
+    teacher-forced perplexity after eviction (its rows say ``ppl: null``).
     """
+
+    supports_eviction = True
 
     def __init__(self, model_dir: str | Path, kv_cache_dtype: str, *, block_tokens: int | None = None,
                  sink_tokens: int | None = None, skip_layers: Sequence[int] = (), relevance: str = "auto",
                  params: dict[str, Any] | None = None, max_model_len: int | None = None,
-                 kv_space_gib: int | None = None, extra_args: Sequence[str] = ()):
+                 kv_space_gib: int | None = None, extra_args: Sequence[str] = (), eviction: Any = None):
         self.model_dir = str(model_dir)
+        self.eviction = eviction
         self.kv_cache_dtype = kv_cache_dtype
         geo = model_geometry(model_dir)
         self.geometry = geo
@@ -381,6 +391,12 @@ class VllmEngine(Engine):
             codec_overrides = {k: v for k, v in self.overrides.items() if k != "skip_layers"}
             self.scheme = scheme.with_params(**codec_overrides) if codec_overrides else scheme
             self._bits = self.scheme.effective_bits(self.head_dim)
+            if eviction is not None:
+                self.overrides.update(eviction=eviction.name, retention=eviction.retention,
+                                      eviction_gamma=eviction.gamma, eviction_sinks=eviction.sink_tokens,
+                                      recent_window=eviction.recent_window)
+        if eviction is not None and self.eviction_refusal():
+            raise ValueError(f"--kv-eviction: {self.eviction_refusal()}")
         self.server: VllmServer | None = None
         self._servers: dict[int, VllmServer] = {}
         self._main_chunk: int | None = None  # the first chunk asked for (the yardstick's --chunk)
@@ -441,6 +457,29 @@ class VllmEngine(Engine):
         out = self.server_for(chunk).greedy(ids, n)
         self._last_tokens = len(ids) + len(out)
         return out
+
+    def eviction_refusal(self) -> str | None:
+        if self.scheme is None:
+            return (f"vLLM's own attention for --kv-cache-dtype {self.kv_cache_dtype} cannot read "
+                    "per-layer kept lengths (eviction needs a lowbit-kv scheme)")
+        return None
+
+    def _check_variants(self, policies) -> None:
+        if list(policies) != [self.eviction]:
+            raise ValueError(f"this engine's server runs eviction={self.eviction!r} only, asked for "
+                             f"{policies!r}: make one engine per policy")
+
+    def logprobs_variants(self, ids, chunk, prompt_tokens, policies):
+        self._check_variants(policies)
+        if self.eviction is None:
+            return super().logprobs_variants(ids, chunk, prompt_tokens, policies)
+        return [dict(logprobs=None, plan=None, kv_memory=None,
+                     note="no teacher-forced PPL after eviction on vLLM (prompt_logprobs come "
+                          "from the prefill, before the eviction)")]
+
+    def greedy_variants(self, ids, n, chunk, policies, references=None):
+        self._check_variants(policies)
+        return [self.greedy(ids, n, chunk)]
 
     def effective_bits(self) -> float:
         """Bits per element as served: the backend's own start-up figure over all layers

@@ -72,6 +72,25 @@ def test_eviction_installs_its_scheduler(model_dir):
     assert plain.scheduler_config.scheduler_cls is None
 
 
+def test_yardstick_engine_passes_the_policy_to_its_server(tmp_path):
+    from bench.vllm_engine import VllmEngine
+    from vllm_lowbit_kv.eviction import make_policy
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        num_attention_heads=9, num_key_value_heads=3, hidden_size=576, num_hidden_layers=30)))
+    pol = make_policy("recency", 0.5, recent_window=16)
+    eng = VllmEngine(tmp_path, "kivi4", eviction=pol)
+    cmd = VllmServer(tmp_path, "kivi4", chunk=256, max_model_len=1024,
+                     additional_config=eng.overrides).command(0)
+    assert json.loads(cmd[cmd.index("--additional-config") + 1]) == {"lowbit_kv": dict(
+        eviction="recency", retention=0.5, eviction_gamma=0.2, eviction_sinks=4, recent_window=16)}
+    assert eng.logprobs_variants([1, 2, 3], 2, 2, [pol])[0]["logprobs"] is None  # no PPL after eviction
+    with pytest.raises(ValueError, match="one engine per policy"):
+        eng.greedy_variants([1, 2], 2, 2, [None, pol])
+    with pytest.raises(ValueError, match="eviction needs a lowbit-kv scheme"):
+        VllmEngine(tmp_path, "bfloat16", eviction=pol)
+
+
 def _metric(srv: VllmServer, name: str) -> float:
     _, data = srv._request("GET", "/metrics")
     m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", data.decode(), re.M)

@@ -15,8 +15,9 @@ One block table per request, per-layer budgets. After the prompt's prefill
   of the first block is untouched: the kept pairs start with the sinks.
 * Every layer's kept pairs fit in ``kept_blocks = ceil(region_cap / bs)``
   blocks, where ``region_cap`` bounds every layer's ``kept_len`` *before* the
-  data is seen (``layer_cap`` x the mean retention, at least the protected
-  pairs, rounded up to T): the scheduler frees blocks ``kept_blocks ..
+  data is seen (``layer_cap`` x the mean retention for policies with per-layer
+  budgets, the mean for the others; at least the protected pairs; rounded up
+  to T): the scheduler frees blocks ``kept_blocks ..
   keep_from // bs - 1`` in the same step, without waiting for the worker.
 * Layer l then attends to ``kept_len[l]`` compacted pairs followed by the
   positions from ``keep_from`` on (RoPE was applied at the original positions
@@ -66,6 +67,8 @@ def paged_geometry(prompt_tokens: int, block_size: int, group_tokens: int,
     require(layer_cap >= 1, "eviction_layer_cap", "a number >= 1", layer_cap)
     keep_from = N // bs * bs
     prot = policy.protected(N)[:keep_from]
+    if not policy.dynamic_budgets:  # equal budgets: every layer keeps the mean
+        layer_cap = 1.0
     cap = max(math.ceil(layer_cap * policy.retention * N), int(prot.sum()))
     region_cap = min(keep_from, -(-cap // T) * T)
     # the first block stays in any case: it carries the sink area and names the request

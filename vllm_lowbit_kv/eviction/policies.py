@@ -91,6 +91,8 @@ class EvictionPolicy:
     """Base class: subclasses define per-layer scores and, optionally, layer weights."""
 
     name: ClassVar[str]
+    #: True: budgets differ per layer (weights from score_layers)
+    dynamic_budgets: ClassVar[bool] = False
 
     def __init__(self, retention: float, *, gamma: float = DEFAULT_GAMMA,
                  sink_tokens: int = DEFAULT_SINK_TOKENS, recent_window: int = DEFAULT_RECENT_WINDOW,
