@@ -43,6 +43,8 @@ for magnitudes at the fp16 limit).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -313,11 +315,16 @@ def _row_tiles(q_start: torch.Tensor, n: int, rows_per_tile: int):
     return torch.where(live, req, -1).to(torch.int32), row0.to(torch.int32), bound
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _default_splits(device: torch.device, programs: int, max_groups: int) -> int:
     """Enough splits to give every SM a few programs; at least 4 groups per split."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device)
     want = -(-4 * sms // max(programs, 1))
     return max(1, min(want, max_groups // 4))
 
