@@ -101,7 +101,8 @@ def test_kernel_compiles_with_nvcc(arch, tmp_path):
     assert re.findall(r"(\d+) bytes spill stores", log) == ["0", "0"], log[-2000:]
 
 
-@pytest.mark.skipif(shutil.which("g++") is None or _nvcc() is None, reason="g++ or CUDA headers missing")
+@pytest.mark.skipif(shutil.which("g++") is None or _nvcc() is None,
+                    reason="g++ or CUDA headers missing")
 def test_binding_compiles_against_torch_headers(tmp_path):
     """bindings.cpp, syntax only, against the installed torch's headers (a CPU torch lacks
     one generated CUDA header, cuda_cmake_macros.h: an empty stand-in is enough here)."""

@@ -153,8 +153,10 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
     per_split = -(-max_groups // max(1, min(splits, max_groups)))
     splits = -(-max_groups // per_split)
     empty = torch.empty(0, dtype=torch.float32, device=dev)
-    part_out = torch.empty(splits, n, Hq, D, dtype=torch.float32, device=dev) if splits > 1 else empty
-    part_lse = torch.empty(splits, n, Hq, dtype=torch.float32, device=dev) if splits > 1 else empty
+    part_out = part_lse = empty
+    if splits > 1:
+        part_out = torch.empty(splits, n, Hq, D, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(splits, n, Hq, dtype=torch.float32, device=dev)
     fft = fft_matrix("inverse_t", fmt.n1, fmt.n1, dev) if fmt.fft else empty
     ext.packed_attention(
         query.float(), q_start.to(dev, torch.int64), pages.view(pages.shape[0], layout.H, -1),
