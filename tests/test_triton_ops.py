@@ -167,6 +167,21 @@ def test_quantize_and_store_matches_reference_codec(scheme, T, block_size, dtype
 
 
 @on_device
+@pytest.mark.parametrize("scheme", ["kivi2", "vidkv_k2v2"])
+@pytest.mark.parametrize("magnitude", [1e-6, 3e4])
+def test_quantize_and_store_kivi_is_bit_exact_at_extreme_magnitudes(scheme, magnitude):
+    """Tiny ranges (subnormal fp16 scales) and values near the fp16 limit."""
+    layout = _layout(scheme, 16, 2, 16)
+    k, v = ((x * magnitude).clamp(-65504, 65504) for x in _kv(4, 16, 2, torch.float32, seed=3))
+    gids = torch.tensor([3, 0, 2, 1])
+    ref = torch.zeros(layout.page_shape(4), dtype=torch.uint8)
+    layout.write_states(ref, gids, layout.encode(k, v))
+    pages = torch.full(layout.page_shape(4), POISON, dtype=torch.uint8, device=DEVICE)
+    triton_ops.quantize_and_store(k.to(DEVICE), v.to(DEVICE), gids.to(DEVICE), pages, layout)
+    assert torch.equal(pages.cpu(), ref)
+
+
+@on_device
 def test_quantize_and_store_many_groups_near_ties_only():
     """Larger sample for the non-exact fields: mismatches stay rare and at ties."""
     layout = _layout("vidkv_stp", 64, 4, 64)

@@ -43,6 +43,8 @@ for magnitudes at the fp16 limit).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -108,7 +110,8 @@ def _kivi_key_scores(q, base, t, tvalid, D: tl.constexpr, BITS: tl.constexpr,
     scale = load_f16(base + OFF_SCALE, c, c < D)
     zero = load_f16(base + OFF_ZERO, c, c < D)
     codes_t = _codes_t(base + OFF_CODES, t, tvalid, D, D, BITS)
-    return _dot_codes(q * scale[None, :], codes_t, MMA_BF16) + tl.sum(q * zero[None, :], axis=1)[:, None]
+    bias = tl.sum(q * zero[None, :], axis=1)
+    return _dot_codes(q * scale[None, :], codes_t, MMA_BF16) + bias[:, None]
 
 
 @triton.jit
@@ -126,7 +129,8 @@ def _vidkv_key_scores(q_rows, mrows, s_qd, qk_scale, winv_t, base, t, tvalid,
     i2 = tl.arange(0, N2P)
     i1 = tl.arange(0, N1P)
     # the channel order of the state: 2-bit channels, then 1-bit ones (vidkv.front_perm)
-    chan2 = tl.sum(tl.where((mbit[:, None] == 1) & (rank2[:, None] == i2[None, :]), c[:, None], 0), 0)
+    chan2 = tl.sum(tl.where((mbit[:, None] == 1) & (rank2[:, None] == i2[None, :]),
+                            c[:, None], 0), 0)
     chan1 = tl.sum(tl.where((mbit[:, None] == 0) & ((c - rank2)[:, None] == i1[None, :]),
                             c[:, None], 0), 0)
     q2 = tl.load(q_rows[:, None] + chan2[None, :] * s_qd,
@@ -136,7 +140,8 @@ def _vidkv_key_scores(q_rows, mrows, s_qd, qk_scale, winv_t, base, t, tvalid,
     scale2 = load_f16(base + OFF_SCALE2, i2, i2 < N2)
     zero2 = load_f16(base + OFF_ZERO2, i2, i2 < N2)
     codes2 = _codes_t(base + OFF_CODES2, t, tvalid, N2, N2P, 2)
-    s = _dot_codes(q2 * scale2[None, :], codes2, MMA_BF16) + tl.sum(q2 * zero2[None, :], axis=1)[:, None]
+    s = _dot_codes(q2 * scale2[None, :], codes2, MMA_BF16)
+    s += tl.sum(q2 * zero2[None, :], axis=1)[:, None]
     hi = load_f16(base + OFF_HI, i1, i1 < N1)
     if SIGN:
         lo = -hi
@@ -145,7 +150,8 @@ def _vidkv_key_scores(q_rows, mrows, s_qd, qk_scale, winv_t, base, t, tvalid,
     if FFT:  # the query in the component domain: q1 . (y @ W) = (q1 @ W.T) . y
         q1 = tl.dot(q1, winv_t, input_precision="ieee")
     bits = _codes_t(base + OFF_CODES1, t, tvalid, N1, N1P, 1)
-    s += _dot_codes(q1 * (hi - lo)[None, :], bits, MMA_BF16) + tl.sum(q1 * lo[None, :], axis=1)[:, None]
+    s += _dot_codes(q1 * (hi - lo)[None, :], bits, MMA_BF16)
+    s += tl.sum(q1 * lo[None, :], axis=1)[:, None]
     return s
 
 
@@ -173,7 +179,8 @@ def _values(p, base, t, tvalid, D: tl.constexpr, VAL_KIND: tl.constexpr,
             pscale = load_f16(base + V_PSCALE, c, c < D)
             pzero = load_f16(base + V_PZERO, c, c < D)
             p_prot = tl.sum(tl.where(prot[None, :] == 1, p, 0.0), axis=1)
-            out += _dot_codes(p, pcodes, MMA_BF16) * pscale[None, :] + p_prot[:, None] * pzero[None, :]
+            out += (_dot_codes(p, pcodes, MMA_BF16) * pscale[None, :]
+                    + p_prot[:, None] * pzero[None, :])
         else:
             trits = load_trits(base + V_TRITS, t[:, None] * D + c[None, :], rows)
             out = _dot_codes(p, trits, MMA_BF16) * alpha[None, :]
@@ -313,11 +320,16 @@ def _row_tiles(q_start: torch.Tensor, n: int, rows_per_tile: int):
     return torch.where(live, req, -1).to(torch.int32), row0.to(torch.int32), bound
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _default_splits(device: torch.device, programs: int, max_groups: int) -> int:
     """Enough splits to give every SM a few programs; at least 4 groups per split."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device)
     want = -(-4 * sms // max(programs, 1))
     return max(1, min(want, max_groups // 4))
 

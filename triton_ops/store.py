@@ -255,7 +255,8 @@ def _store_ternary(x, rows, rel, dst, T: tl.constexpr, TP: tl.constexpr, D: tl.c
     keep = lm & (a > GAMMA * mean[None, :])
     trits = tl.where(keep, tl.where(x > 0, 1, -1), 0)
     cnt = tl.sum(keep.to(tl.int32), axis=0)
-    alpha = tl.math.div_rn(tl.sum(tl.where(keep, a, 0.0), axis=0), tl.maximum(cnt, 1).to(tl.float32))
+    alpha = tl.math.div_rn(tl.sum(tl.where(keep, a, 0.0), axis=0),
+                           tl.maximum(cnt, 1).to(tl.float32))
     store_f16(dst + OFF_ALPHA, c, alpha, c < D)
     NBT: tl.constexpr = (NL * D + 4) // 5
     _pack_store(dst + OFF_TRITS, trits, lowmap, NL, D, TP * D, D, NBT,
@@ -289,7 +290,8 @@ def _store_kernel(k_ptr, v_ptr, rel_ptr, gid_ptr, pages_ptr, fwd_ptr,
     c = tl.arange(0, D)
     rows = t < T
     kp = k_ptr + e * sk_e + h * sk_h
-    xk = tl.load(kp + t[:, None] * sk_t + c[None, :] * sk_d, mask=rows[:, None], other=0).to(tl.float32)
+    xk = tl.load(kp + t[:, None] * sk_t + c[None, :] * sk_d, mask=rows[:, None],
+                 other=0).to(tl.float32)
     if KEY_KIND == 0:
         _store_kivi(xk, rows, dst, T, TP, D, KEY_BITS, False, D, K_CODES, K_SCALE, K_ZERO)
     else:
@@ -299,7 +301,8 @@ def _store_kernel(k_ptr, v_ptr, rel_ptr, gid_ptr, pages_ptr, fwd_ptr,
                  mask=rows[:, None], other=0).to(tl.float32)
     if VAL_KIND == 2:
         if HAS_REL:
-            rel = tl.load(rel_ptr + e * sr_e + h * sr_h + t * sr_t, mask=rows, other=0).to(tl.float32)
+            rel = tl.load(rel_ptr + e * sr_e + h * sr_h + t * sr_t, mask=rows,
+                          other=0).to(tl.float32)
         else:  # the codec's fallback: each token's L2 norm
             rel = tl.sqrt_rn(tl.sum(xv * xv, axis=1))
         _store_ternary(xv, rows, rel, dst, T, TP, D, NP, GAMMA, V_PSCALE, V_PZERO, V_ALPHA,
@@ -345,7 +348,8 @@ def flat_pages(pages: torch.Tensor, layout) -> torch.Tensor:
 
 
 def quantize_and_store(k: torch.Tensor, v: torch.Tensor, gids: torch.Tensor, pages: torch.Tensor,
-                       layout, relevance: torch.Tensor | None = None, validate: bool = True) -> None:
+                       layout, relevance: torch.Tensor | None = None,
+                       validate: bool = True) -> None:
     """Encode the filled groups K, V ``[E, T, H, D]`` (any float dtype, any strides) with
     the layout's codecs and write them into their page states ``gids`` [E] (global group
     ids), as ``layout.write_states(pages, gids, layout.encode(k, v, relevance))`` does

@@ -86,6 +86,9 @@ __host__ __device__ inline int align16(int bytes) { return (bytes + 15) / 16 * 1
 
 __host__ __device__ inline int threads_for(int D) { return D <= 128 ? 128 : 256; }
 
+__host__ __device__ inline int imin(int x, int y) { return x < y ? x : y; }
+__host__ __device__ inline int imax(int x, int y) { return x > y ? x : y; }
+
 __host__ __device__ inline int smem_bytes(const LowbitAttentionArgs& a, int threads) {
   const int G = a.Hq / a.fmt.H, D = a.fmt.D, T = a.fmt.T, P = threads / D;
   const int floats = 3 * G * D + G * T + 4 * G + P * G * D;
@@ -256,7 +259,11 @@ __device__ __forceinline__ float value_at(const LowbitPageFormat& f, const Smem&
 }
 
 __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
+#ifdef LOWBIT_HOST_EMULATION  // host_emulation.cpp: the CPU test harness
+  unsigned char* smem_raw = emu::shared_memory();
+#else
   extern __shared__ __align__(16) unsigned char smem_raw[];
+#endif
   const LowbitPageFormat& f = a.fmt;
   const int row = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
   const int tid = threadIdx.x, nthreads = blockDim.x;
@@ -285,8 +292,8 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
   for (int g = 0; g < LOWBIT_MAX_GQA; ++g) acc[g] = 0.f;
 
   const int skip = a.skip_tokens[r];
-  const int g_lo = max(split * a.groups_per_split, skip / T);
-  const int g_hi = min((split + 1) * a.groups_per_split, a.num_groups[r]);
+  const int g_lo = imax(split * a.groups_per_split, skip / T);
+  const int g_hi = imin((split + 1) * a.groups_per_split, a.num_groups[r]);
   const uint8_t* head_pages = a.pages + h * a.page_stride_head + f.sink_bytes;
   __syncthreads();
   for (int gi = g_lo; gi < g_hi; ++gi) {
@@ -390,20 +397,33 @@ extern "C" const char* lowbit_packed_attention_check(const LowbitAttentionArgs* 
   return nullptr;
 }
 
+// grid, block size and dynamic shared memory of one call (the CUDA launcher and the test
+// harness use the same)
+struct LaunchPlan {
+  dim3 grid;
+  int threads;
+  int smem;
+};
+
+static LaunchPlan launch_plan(const LowbitAttentionArgs& a) {
+  const int threads = threads_for(a.fmt.D);
+  return {dim3(a.num_rows, a.fmt.H, a.num_splits), threads, smem_bytes(a, threads)};
+}
+
+#ifndef LOWBIT_HOST_EMULATION
 extern "C" cudaError_t lowbit_packed_attention(const LowbitAttentionArgs* args, cudaStream_t stream) {
   if (lowbit_packed_attention_check(args) != nullptr) return cudaErrorInvalidValue;
   if (args->num_rows == 0) return cudaSuccess;
-  const int threads = threads_for(args->fmt.D);
-  const int smem = smem_bytes(*args, threads);
-  if (smem > 48 * 1024) {
+  const LaunchPlan plan = launch_plan(*args);
+  if (plan.smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(packed_attention_kernel,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem);
     if (e != cudaSuccess) return e;
   }
-  const dim3 grid(args->num_rows, args->fmt.H, args->num_splits);
-  packed_attention_kernel<<<grid, threads, smem, stream>>>(*args);
+  packed_attention_kernel<<<plan.grid, plan.threads, plan.smem, stream>>>(*args);
   if (args->num_splits > 1) {
     combine_splits_kernel<<<static_cast<unsigned>(args->num_rows * args->Hq), args->fmt.D, 0, stream>>>(*args);
   }
   return cudaGetLastError();
 }
+#endif

@@ -120,11 +120,15 @@ def unsupported_reason(layout, device, num_q_heads: int | None = None) -> str | 
     return None
 
 
-def default_splits(device: torch.device, rows_x_heads: int, max_groups: int) -> int:
-    """Enough splits for ~4 blocks per SM; at least 4 groups per split."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-4 * sms // max(rows_x_heads, 1))
-    return max(1, min(want, max_groups // 4))
+def split_plan(max_groups: int, num_splits: int | None, device: torch.device | None = None,
+               blocks: int = 1) -> tuple[int, int]:
+    """(splits, groups per split) over a group table of ``max_groups`` columns: the requested
+    number, or enough for ~4 thread blocks per SM with at least 4 groups per split."""
+    if not num_splits:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device else 1
+        num_splits = max(1, min(-(-4 * sms // max(blocks, 1)), max_groups // 4))
+    per_split = -(-max_groups // max(1, min(num_splits, max_groups)))
+    return -(-max_groups // per_split), per_split
 
 
 def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Tensor, layout,
@@ -149,12 +153,12 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    splits = num_splits or default_splits(dev, n * layout.H, max_groups)
-    per_split = -(-max_groups // max(1, min(splits, max_groups)))
-    splits = -(-max_groups // per_split)
+    splits, per_split = split_plan(max_groups, num_splits, dev, n * layout.H)
     empty = torch.empty(0, dtype=torch.float32, device=dev)
-    part_out = torch.empty(splits, n, Hq, D, dtype=torch.float32, device=dev) if splits > 1 else empty
-    part_lse = torch.empty(splits, n, Hq, dtype=torch.float32, device=dev) if splits > 1 else empty
+    part_out = part_lse = empty
+    if splits > 1:
+        part_out = torch.empty(splits, n, Hq, D, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(splits, n, Hq, dtype=torch.float32, device=dev)
     fft = fft_matrix("inverse_t", fmt.n1, fmt.n1, dev) if fmt.fft else empty
     ext.packed_attention(
         query.float(), q_start.to(dev, torch.int64), pages.view(pages.shape[0], layout.H, -1),
