@@ -34,6 +34,7 @@ import argparse
 import http.client
 import json
 import math
+import os
 import random
 import re
 import shlex
@@ -244,7 +245,9 @@ def add_ratios(rows: list[dict]) -> None:
 def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]:
     server = VllmServer(args.model, dtype, chunk=args.chunk, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB))
-    row: dict[str, Any] = dict(dtype=dtype, status="ok", reason=None)
+    # the machine may be shared: its load during the measurement is part of the result
+    row: dict[str, Any] = dict(dtype=dtype, status="ok", reason=None,
+                               loadavg_start=[round(x, 2) for x in os.getloadavg()])
     try:
         server.start()
     except ServerRefused as e:
@@ -269,6 +272,7 @@ def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]
                 f"TPOT p50 {point['tpot_s'] and point['tpot_s']['p50']} s, errors {len(point['errors'])}")
     finally:
         server.stop()
+        row["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     return row
 
 
