@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--rates", default="0.05,inf", help="requests/s, comma-separated; inf = all at once")
     p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=4352)
+    p.add_argument("--max-model-len", type=int, default=4224, help="4096 + 128: what the budget holds")
     p.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench/results/throughput.json")
@@ -186,8 +186,9 @@ def run_rate(server: VllmServer, prompts: list[list[int]], output_tokens: int, r
     t0 = time.time()
     for i, (prompt, at) in enumerate(zip(prompts, arrival_times(len(prompts), rate, seed))):
         time.sleep(max(0.0, t0 + at - time.time()))
+        # daemon: on SIGTERM the interpreter must not wait for streams before atexit stops the server
         th = threading.Thread(target=_stream_one, args=(server.port, server.model_name, prompt,
-                                                        output_tokens, time.time(), recs[i]))
+                                                        output_tokens, time.time(), recs[i]), daemon=True)
         th.start()
         threads.append(th)
     for th in threads:
