@@ -36,7 +36,6 @@ import json
 import math
 import os
 import random
-import re
 import shlex
 import sys
 import threading
@@ -45,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.vllm_engine import ServerRefused, VllmServer
+from bench.vllm_engine import ServerRefused, VllmServer, metric_value, percentiles
 
 REFERENCE = "bfloat16"
 DEFAULT_DTYPES = "bfloat16,fp8,vidkv,kivi2,quantile1"
@@ -151,12 +150,9 @@ class MetricsPoller(threading.Thread):
             text = c.getresponse().read().decode(errors="replace")
         finally:
             c.close()
-        out = {}
-        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                     "num_preemptions_total"):
-            m = re.search(rf"^vllm:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-            out[name] = float(m.group(1)) if m else 0.0
-        return out
+        return {name: metric_value(text, f"vllm:{name}") or 0.0
+                for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                             "num_preemptions_total")}
 
     def run(self) -> None:
         while not self.stop_flag.is_set():
@@ -165,15 +161,6 @@ class MetricsPoller(threading.Thread):
             except (OSError, http.client.HTTPException):
                 pass
             self.stop_flag.wait(POLL_S)
-
-
-def _pct(xs: list[float]) -> dict[str, float] | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    at = lambda q: xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]  # noqa: E731
-    return dict(p50=round(at(0.5), 4), p90=round(at(0.9), 4), p99=round(at(0.99), 4),
-                mean=round(sum(xs) / len(xs), 4))
 
 
 def run_rate(server: VllmServer, prompts: list[list[int]], output_tokens: int, rate: float,
@@ -210,9 +197,9 @@ def run_rate(server: VllmServer, prompts: list[list[int]], output_tokens: int, r
         peak_waiting=max((s["num_requests_waiting"] for s in poller.samples), default=0.0),
         peak_kv_usage=max((s["kv_cache_usage_perc"] for s in poller.samples), default=0.0),
         preemptions=after["num_preemptions_total"] - before["num_preemptions_total"],
-        ttft_s=_pct([r["t_first"] - r["t_send"] for r in done]),
-        tpot_s=_pct([(r["t_last"] - r["t_first"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]),
-        e2e_s=_pct([r["t_last"] - r["t_send"] for r in done]),
+        ttft_s=percentiles([r["t_first"] - r["t_send"] for r in done]),
+        tpot_s=percentiles([(r["t_last"] - r["t_first"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]),
+        e2e_s=percentiles([r["t_last"] - r["t_send"] for r in done]),
     )
 
 

@@ -42,7 +42,7 @@ def test_worker_snapshot_reads_the_shared_kv_allocation():
 
 
 def test_entry_points_resolve_to_vllm_plugins():
-    vllm = pytest.importorskip("vllm")  # noqa: F841
+    pytest.importorskip("vllm")
     from vllm.plugins.endpoint_plugins.interface import EndpointPlugin
     from vllm.v1.worker.worker_base import WorkerBase
 
