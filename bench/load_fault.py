@@ -53,6 +53,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.vllm_engine import metric_value, percentiles
+
 #: kind -> (weight in the random draw, HTTP statuses it may get; None = we hung up first)
 KINDS: dict[str, tuple[float, frozenset]] = {
     "stream_completion": (4, frozenset({200})),
@@ -214,10 +216,10 @@ def _get(port: int, path: str, timeout: float = 30) -> tuple[int, bytes]:
 
 
 def _metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    if not m:
+    value = metric_value(text, name)
+    if value is None:
         raise RuntimeError(f"metric {name} missing from /metrics")
-    return float(m.group(1))
+    return value
 
 
 def idle_state(port: int, log_path: str | Path | None = None) -> dict[str, Any]:
@@ -247,14 +249,6 @@ def wait_idle(port: int, log_path=None, timeout: float = 120) -> tuple[bool, dic
         if time.time() - t0 > timeout:
             return False, state, round(time.time() - t0, 1)
         time.sleep(1)
-
-
-def _percentiles(xs: list[float]) -> dict[str, float] | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    pick = lambda q: round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)  # noqa: E731
-    return dict(p50=pick(0.5), p90=pick(0.9), p99=pick(0.99), max=round(xs[-1], 3))
 
 
 def run_load(port: int, *, clients: int, duration: float, max_requests: int = 10_000,
@@ -329,8 +323,8 @@ def run_load(port: int, *, clients: int, duration: float, max_requests: int = 10
         unexpected=len(unexpected),
         unexpected_examples=[asdict(o) for o in unexpected[:10]],
         streams_completed=len(streams), stream_events=sum(o.events for o in streams),
-        stream_seconds=_percentiles([o.seconds for o in streams]),
-        stream_ttft_s=_percentiles([o.ttft_s for o in streams if o.ttft_s is not None]),
+        stream_seconds=percentiles([o.seconds for o in streams]),
+        stream_ttft_s=percentiles([o.ttft_s for o in streams if o.ttft_s is not None]),
         health_after=health, idle=idle, idle_state=state, idle_after_s=idle_after_s,
         final_completion=asdict(final) if final else None, log_errors=log_errors,
     )

@@ -34,8 +34,8 @@ import argparse
 import http.client
 import json
 import math
+import os
 import random
-import re
 import shlex
 import sys
 import threading
@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.vllm_engine import ServerRefused, VllmServer
+from bench.vllm_engine import ServerRefused, VllmServer, metric_value, percentiles
 
 REFERENCE = "bfloat16"
 DEFAULT_DTYPES = "bfloat16,fp8,vidkv,kivi2,quantile1"
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--rates", default="0.05,inf", help="requests/s, comma-separated; inf = all at once")
     p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=4352)
+    p.add_argument("--max-model-len", type=int, default=4224, help="4096 + 128: what the budget holds")
     p.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench/results/throughput.json")
@@ -150,12 +150,9 @@ class MetricsPoller(threading.Thread):
             text = c.getresponse().read().decode(errors="replace")
         finally:
             c.close()
-        out = {}
-        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                     "num_preemptions_total"):
-            m = re.search(rf"^vllm:{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-            out[name] = float(m.group(1)) if m else 0.0
-        return out
+        return {name: metric_value(text, f"vllm:{name}") or 0.0
+                for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                             "num_preemptions_total")}
 
     def run(self) -> None:
         while not self.stop_flag.is_set():
@@ -164,15 +161,6 @@ class MetricsPoller(threading.Thread):
             except (OSError, http.client.HTTPException):
                 pass
             self.stop_flag.wait(POLL_S)
-
-
-def _pct(xs: list[float]) -> dict[str, float] | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    at = lambda q: xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]  # noqa: E731
-    return dict(p50=round(at(0.5), 4), p90=round(at(0.9), 4), p99=round(at(0.99), 4),
-                mean=round(sum(xs) / len(xs), 4))
 
 
 def run_rate(server: VllmServer, prompts: list[list[int]], output_tokens: int, rate: float,
@@ -185,8 +173,9 @@ def run_rate(server: VllmServer, prompts: list[list[int]], output_tokens: int, r
     t0 = time.time()
     for i, (prompt, at) in enumerate(zip(prompts, arrival_times(len(prompts), rate, seed))):
         time.sleep(max(0.0, t0 + at - time.time()))
+        # daemon: on SIGTERM the interpreter must not wait for streams before atexit stops the server
         th = threading.Thread(target=_stream_one, args=(server.port, server.model_name, prompt,
-                                                        output_tokens, time.time(), recs[i]))
+                                                        output_tokens, time.time(), recs[i]), daemon=True)
         th.start()
         threads.append(th)
     for th in threads:
@@ -208,9 +197,9 @@ def run_rate(server: VllmServer, prompts: list[list[int]], output_tokens: int, r
         peak_waiting=max((s["num_requests_waiting"] for s in poller.samples), default=0.0),
         peak_kv_usage=max((s["kv_cache_usage_perc"] for s in poller.samples), default=0.0),
         preemptions=after["num_preemptions_total"] - before["num_preemptions_total"],
-        ttft_s=_pct([r["t_first"] - r["t_send"] for r in done]),
-        tpot_s=_pct([(r["t_last"] - r["t_first"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]),
-        e2e_s=_pct([r["t_last"] - r["t_send"] for r in done]),
+        ttft_s=percentiles([r["t_first"] - r["t_send"] for r in done]),
+        tpot_s=percentiles([(r["t_last"] - r["t_first"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]),
+        e2e_s=percentiles([r["t_last"] - r["t_send"] for r in done]),
     )
 
 
@@ -244,7 +233,9 @@ def add_ratios(rows: list[dict]) -> None:
 def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]:
     server = VllmServer(args.model, dtype, chunk=args.chunk, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB))
-    row: dict[str, Any] = dict(dtype=dtype, status="ok", reason=None)
+    # the machine may be shared: its load during the measurement is part of the result
+    row: dict[str, Any] = dict(dtype=dtype, status="ok", reason=None,
+                               loadavg_start=[round(x, 2) for x in os.getloadavg()])
     try:
         server.start()
     except ServerRefused as e:
@@ -269,6 +260,7 @@ def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]
                 f"TPOT p50 {point['tpot_s'] and point['tpot_s']['p50']} s, errors {len(point['errors'])}")
     finally:
         server.stop()
+        row["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     return row
 
 

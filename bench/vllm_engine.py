@@ -46,6 +46,7 @@ from __future__ import annotations
 import atexit
 import http.client
 import json
+import math
 import os
 import re
 import signal
@@ -305,6 +306,22 @@ class VllmServer:
                 info["capacity_tokens"] = int(m.group(1).replace(",", ""))
                 info["source"] = "start-up log"
         return info
+
+
+def metric_value(text: str, name: str) -> float | None:
+    """The first sample of the Prometheus metric ``name`` in a ``/metrics`` text (None: absent)."""
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def percentiles(xs: Sequence[float]) -> dict[str, float] | None:
+    """Nearest-rank p50, p90, p99 and the mean (None for no data)."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    at = lambda q: xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]  # noqa: E731
+    return dict(p50=round(at(0.5), 4), p90=round(at(0.9), 4), p99=round(at(0.99), 4),
+                mean=round(sum(xs) / len(xs), 4))
 
 
 #: servers started by this process (stopped at exit; one alive at a time via VllmEngine)

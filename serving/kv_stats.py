@@ -50,6 +50,7 @@ reported as 0. One API server process (vLLM's default): with
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -141,6 +142,7 @@ class KVCacheStats(BaseModel):
 
 
 # --------------------------------------------------------------------------- sources
+@functools.cache
 def _scheduler_tap_class():
     from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
@@ -233,7 +235,7 @@ class KVStats:
                     self.engine_client.collective_rpc(WORKER_METHOD), timeout)
                 self.worker, self.worker_t, self.worker_error = answers[0], time.monotonic(), None
             except Exception as e:  # noqa: BLE001 - a dead or busy engine must not break the route
-                self.worker_error = f"{type(e).__name__}: {e}"[:500] or type(e).__name__
+                self.worker_error = f"{type(e).__name__}: {e}"[:500]
 
     async def _refresh_forever(self) -> None:
         while True:
