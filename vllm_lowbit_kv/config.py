@@ -25,6 +25,15 @@ Cache layout (any scheme):
 * ``obs_window``: queries in the STP observation window (relevance schemes such
   as ``vidkv_stp``), at most ``block_tokens``.
 
+Kernels:
+
+* ``attention_impl``: the packed-attention implementation, ``auto`` (the fastest
+  that can run the scheme on the device), ``torch`` (the PyTorch reference),
+  ``cpp`` (the C++ CPU kernel), ``triton`` or ``cuda`` (GPU); unset: the
+  environment variable ``LOWBIT_KV_ATTENTION_IMPL``, else ``auto``. A named
+  implementation that cannot run is refused at start-up with the reason
+  (:mod:`vllm_lowbit_kv.ops`).
+
 Codec parameters (each reaches the scheme's codec(s) that take it, see
 :meth:`vllm_lowbit_kv.schemes.KVScheme.with_params`; a parameter no codec of
 the scheme takes is refused with the names it does take): ``k``, ``fft``,
@@ -48,6 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .codecs.quantile1 import ROUNDINGS
 from .codecs.vidkv import ONE_BIT_MODES
+from .ops import CHOICES as ATTENTION_IMPLS
 from .schemes import KVScheme, get_scheme
 
 #: key of vLLM's ``--additional-config`` object holding our configuration
@@ -55,6 +65,7 @@ ADDITIONAL_CONFIG_KEY = "lowbit_kv"
 DEFAULT_OBS_WINDOW = 32
 
 CACHE_FIELDS = ("block_tokens", "sink_tokens", "skip_layers", "obs_window")
+KERNEL_FIELDS = ("attention_impl",)
 
 
 class LowBitKVConfigError(ValueError):
@@ -75,6 +86,8 @@ class LowBitKVConfig(BaseModel):
                                    description="layer indices kept in the model dtype")
     obs_window: int = Field(DEFAULT_OBS_WINDOW, ge=1, le=4096,
                             description="queries in the STP observation window")
+    # kernels
+    attention_impl: Literal[ATTENTION_IMPLS] | None = None  # type: ignore[valid-type]
     # codec parameters (None: the scheme's default)
     k: float | None = None
     fft: bool | None = None
@@ -132,7 +145,7 @@ class LowBitKVConfig(BaseModel):
     # -- use --------------------------------------------------------------------------
     def codec_params(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump().items()
-                if k not in CACHE_FIELDS and v is not None}
+                if k not in CACHE_FIELDS + KERNEL_FIELDS and v is not None}
 
     def explicit(self) -> dict[str, Any]:
         """The fields that were set (for logs)."""

@@ -209,7 +209,7 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
     lse = torch.empty(n, Hq, dtype=torch.float32) if lse is None else lse
     as_long = lambda t: torch.as_tensor(t).to(torch.long).contiguous()  # noqa: E731
     torch.ops.lowbit_kv_cpu.packed_attention(
-        query, as_long(q_start), layout._flat(pages), as_long(group_table).reshape(
-            len(num_groups), -1), as_long(num_groups), as_long(skip_tokens), float(scale),
+        query, as_long(q_start), layout._flat(pages), as_long(group_table),
+        as_long(num_groups), as_long(skip_tokens), float(scale),
         fmt.geometry, fmt.key, fmt.value, fmt.fft_map, out, lse)
     return out, lse
