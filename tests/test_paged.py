@@ -51,8 +51,9 @@ def fake_quant(layout, k_seq, v_seq, sinks=0, upto=None):
 
 
 def run_schedule(layout, pages, staging, alloc, seqs, tables, schedule, obs_window=None,
-                 on_step=None):
-    """Drive requests through steps of per-request token counts; return outputs per step."""
+                 on_step=None, packed_attention=None):
+    """Drive requests through steps of per-request token counts; return outputs per step
+    (the packed context through ``packed_attention``, default the reference)."""
     bs = layout.block_size
     done = [0] * len(seqs)
     outs = []
@@ -77,7 +78,7 @@ def run_schedule(layout, pages, staging, alloc, seqs, tables, schedule, obs_wind
         wp, rp = alloc.plan_step(torch.cat(slots), seq_lens, qs, bt, layout.groups_per_block)
         out = torch.zeros(query.shape)
         forward_layer(wp, rp, layout, query, key, value, pages, staging, D ** -0.5, out,
-                      obs_window)
+                      obs_window, packed_attention)
         outs.append((rows, qs, seq_lens, out))
         if on_step:
             on_step(rows, qs, seq_lens, out)

@@ -23,7 +23,7 @@ def test_fields_cover_every_codec_parameter():
         for spec in (s.key, s.value):
             params |= {p for p in inspect.signature(spec.cls.__init__).parameters
                        if spec.accepts(p)}
-    cache = {"block_tokens", "sink_tokens", "skip_layers", "obs_window"}
+    cache = {"block_tokens", "sink_tokens", "skip_layers", "obs_window", "attention_impl"}
     eviction = {"eviction", "retention", "eviction_gamma", "eviction_sinks", "recent_window",
                 "eviction_layer_cap"}
     assert set(LowBitKVConfig.model_fields) == params | cache | eviction
@@ -34,7 +34,7 @@ def test_fields_cover_every_codec_parameter():
     ({"gamma": 0.5}, "kivi2", r"kivi2 parameter name must be one of \['axis', 'bits', .*got 'gamma'"),
     ({"k": 1.5}, "vidkv", r"k must be a number in \[0, 1\], got 1.5"),
     ({"protect": 1.0}, "vidkv_stp", r"protect must be a number in \[0, 1\)"),
-    ({"zz": 1}, "vidkv", r"unknown field 'zz'; known fields: \['alpha', 'axis', 'bits'"),
+    ({"zz": 1}, "vidkv", r"unknown field 'zz'; known fields: \['alpha', 'attention_impl', 'axis'"),
     ({"one_bit": "x"}, "vidkv", r"field 'one_bit': Input should be 'mean', 'sign' or 'minmax'"),
     ({"bits": True}, "kivi2", r"field 'bits': Input should be a valid integer, got True"),
     ({"sink_tokens": -1}, "vidkv", r"field 'sink_tokens': Input should be greater than or equal to 0"),
@@ -149,6 +149,27 @@ def test_vllm_config_validates_and_maps_skip_layers(model_dir):
     # stock dtypes are untouched; a stray lowbit_kv entry is ignored
     assert _vllm_config(model_dir, "auto", {"skip_layers": [1]}).cache_config \
         .kv_cache_dtype_skip_layers == []
+
+
+def test_forced_attention_impl_is_checked_at_startup(model_dir, monkeypatch):
+    """attention_impl (or LOWBIT_KV_ATTENTION_IMPL) naming an implementation that cannot run
+    the scheme on this device stops the server with the reason; auto never does."""
+    _vllm_config(model_dir, "vidkv", {"attention_impl": "cpp"})
+    _vllm_config(model_dir, "quantile1", {"attention_impl": "auto"})
+    with pytest.raises(ValueError, match=r"attention_impl 'cpp' cannot run here: key codec "
+                                         r"QuantileCodec"):
+        _vllm_config(model_dir, "quantile1", {"attention_impl": "cpp"})
+    with pytest.raises(ValueError, match=r"attention_impl 'cuda' cannot run here: it runs on "
+                                         r"cuda devices, not cpu"):
+        _vllm_config(model_dir, "vidkv", {"attention_impl": "cuda"})
+    with pytest.raises(ValueError, match=r"field 'attention_impl': Input should be 'auto', "):
+        _vllm_config(model_dir, "vidkv", {"attention_impl": "gpu"})
+    monkeypatch.setenv("LOWBIT_KV_ATTENTION_IMPL", "triton")
+    with pytest.raises(ValueError, match=r"attention_impl 'triton' cannot run here"):
+        _vllm_config(model_dir, "kivi2")
+    monkeypatch.setenv("LOWBIT_KV_ATTENTION_IMPL", "fast")
+    with pytest.raises(ValueError, match=r"LOWBIT_KV_ATTENTION_IMPL must be one of"):
+        _vllm_config(model_dir, "kivi2")
 
 
 def _fake_vllm_config(**model_kw):

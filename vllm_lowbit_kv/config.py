@@ -38,6 +38,15 @@ Eviction (:mod:`vllm_lowbit_kv.vllm_eviction`; off unless ``eviction`` is set):
 * ``eviction_layer_cap``: a layer keeps at most this multiple of the mean
   retention (>= 1): bounds the blocks a request keeps before its K/V are seen.
 
+Kernels:
+
+* ``attention_impl``: the packed-attention implementation, ``auto`` (the fastest
+  that can run the scheme on the device), ``torch`` (the PyTorch reference),
+  ``cpp`` (the C++ CPU kernel), ``triton`` or ``cuda`` (GPU); unset: the
+  environment variable ``LOWBIT_KV_ATTENTION_IMPL``, else ``auto``. A named
+  implementation that cannot run is refused at start-up with the reason
+  (:mod:`vllm_lowbit_kv.ops`).
+
 Codec parameters (each reaches the scheme's codec(s) that take it, see
 :meth:`vllm_lowbit_kv.schemes.KVScheme.with_params`; a parameter no codec of
 the scheme takes is refused with the names it does take): ``k``, ``fft``,
@@ -68,6 +77,7 @@ from .codecs.quantile1 import ROUNDINGS
 from .codecs.rvq import GROUPINGS
 from .eviction.policies import DEFAULT_GAMMA, DEFAULT_RECENT_WINDOW, DEFAULT_SINK_TOKENS, POLICIES
 from .codecs.vidkv import ONE_BIT_MODES
+from .ops import CHOICES as ATTENTION_IMPLS
 from .schemes import KVScheme, get_scheme
 
 #: key of vLLM's ``--additional-config`` object holding our configuration
@@ -78,6 +88,7 @@ EVICTION_FIELDS = ("eviction", "retention", "eviction_gamma", "eviction_sinks", 
                    "eviction_layer_cap")
 CACHE_FIELDS = ("block_tokens", "sink_tokens", "skip_layers", "obs_window", *EVICTION_FIELDS)
 DEFAULT_LAYER_CAP = 2.0
+KERNEL_FIELDS = ("attention_impl",)
 
 
 class LowBitKVConfigError(ValueError):
@@ -105,6 +116,8 @@ class LowBitKVConfig(BaseModel):
     eviction_sinks: int = Field(DEFAULT_SINK_TOKENS, ge=0, le=1 << 20)
     recent_window: int = Field(DEFAULT_RECENT_WINDOW, ge=0, le=1 << 20)
     eviction_layer_cap: float = DEFAULT_LAYER_CAP
+    # kernels
+    attention_impl: Literal[ATTENTION_IMPLS] | None = None  # type: ignore[valid-type]
     # codec parameters (None: the scheme's default)
     k: float | None = None
     fft: bool | None = None
@@ -200,7 +213,7 @@ class LowBitKVConfig(BaseModel):
     # -- use --------------------------------------------------------------------------
     def codec_params(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump().items()
-                if k not in CACHE_FIELDS and v is not None}
+                if k not in CACHE_FIELDS + KERNEL_FIELDS and v is not None}
 
     def explicit(self) -> dict[str, Any]:
         """The fields that were set (for logs)."""

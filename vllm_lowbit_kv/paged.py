@@ -186,8 +186,15 @@ class PagedLayout:
     def read_sinks(self, pages: torch.Tensor, block: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``n`` sink tokens of the sequence whose first block is ``block``:
         K, V [n, H, D] float32."""
-        kv = self._sinks(pages)[block, :, :n].contiguous().view(self.sink_dtype)
-        return kv[0].float(), kv[1].float()
+        k, v = self.read_sinks_batch(pages, torch.tensor([block]), n)
+        return k[0], v[0]
+
+    def read_sinks_batch(self, pages: torch.Tensor, blocks: torch.Tensor, n: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` sink tokens of each sequence whose first block is in ``blocks``:
+        K, V [B, n, H, D] float32."""
+        kv = self._sinks(pages)[blocks, :, :n].contiguous().view(self.sink_dtype)
+        return kv[:, 0].float(), kv[:, 1].float()
 
 
 @dataclass
@@ -231,6 +238,26 @@ class ReadPlan:
     ctx_len: list[int]  # [R] tokens before this step's fresh tokens
     q_start: list[int]  # [R+1] fresh tokens of request r: rows q_start[r]:q_start[r+1]
     first_block: list[int]  # [R] the request's first block (sink area), -1: none
+    # the packed context as the packed-attention contract takes it (vllm_lowbit_kv.ops)
+    group_table: torch.Tensor  # int64 [R, G_max]: request r's groups, token order
+    num_groups: torch.Tensor  # int64 [R]
+    skip_tokens: torch.Tensor  # int64 [R]: sink positions read from the sink area instead
+    q_start_t: torch.Tensor  # int64 [R+1]: q_start as a tensor
+    exact: list["ExactBatch"]  # the exact parts, requests batched by query length
+
+
+@dataclass
+class ExactBatch:
+    """Requests whose fresh rows attend together to their exact keys: their sinks (sink
+    area), the staged tail of their context and their fresh tokens (causal). Planned once
+    per step, used by every layer."""
+
+    rows: torch.Tensor  # int64 [B, Q]: the fresh rows of each request
+    sink_blocks: torch.Tensor  # int64 [B]: first block (sink area) of each request
+    sinks: int  # sink positions read per request (the batch's largest skip_tokens)
+    tail_slots: torch.Tensor  # int64 [B]: staging slot of the context's partial group
+    tail: int  # staged tokens read per request (the batch's largest)
+    bias: torch.Tensor  # float32 [B, 1, Q, sinks + tail + Q]: 0 = attend, -inf = not
 
 
 _EMPTY = torch.empty(0, dtype=torch.long)
@@ -340,7 +367,18 @@ class StagingAllocator:
             page_start.append(page_start[-1] + n_enc)
             ctx_lens.append(ctx)
         page_gids = torch.cat(gids) if gids else _EMPTY
-        return ReadPlan(page_gids, page_start, tail, ctx_lens, list(query_start), first)
+        R = len(seq_lens)
+        num_groups = torch.tensor(page_start[1:], dtype=torch.long) - torch.tensor(
+            page_start[:-1], dtype=torch.long)
+        table = torch.zeros(R, int(num_groups.max()) if R else 0, dtype=torch.long)
+        if page_gids.numel():
+            req = torch.repeat_interleave(torch.arange(R), num_groups)
+            col = torch.arange(page_gids.numel()) - torch.tensor(page_start[:-1])[req]
+            table[req, col] = page_gids
+        skip = torch.clamp(num_groups * T, max=self.sink_tokens)
+        exact = plan_exact(query_start, ctx_lens, skip.tolist(), tail, first, T)
+        return ReadPlan(page_gids, page_start, tail, ctx_lens, list(query_start), first, table,
+                        num_groups, skip, torch.tensor(query_start, dtype=torch.long), exact)
 
     def plan_writes(self, slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
                     req: torch.Tensor | None = None, first_block: torch.Tensor | None = None
@@ -525,53 +563,139 @@ def attention_mass(q_win: torch.Tensor, first_pos: int, keys: torch.Tensor, scal
     return torch.softmax(scores, dim=-1).sum(dim=-2).transpose(0, 1)
 
 
+def plan_exact(q_start: list[int], ctx_len: list[int], skip: list[int], tail_slot: list[int],
+               first_block: list[int], T: int) -> list[ExactBatch]:
+    """The exact parts of one step: all single-row (decode) requests in one batch, every
+    multi-row request (a prefill chunk) in its own."""
+    q_len = [q_start[r + 1] - q_start[r] for r in range(len(ctx_len))]
+    batches = [[r for r, q in enumerate(q_len) if q == 1]]
+    batches += [[r] for r, q in enumerate(q_len) if q > 1]
+    out = []
+    for reqs in batches:
+        if not reqs:
+            continue
+        Q = q_len[reqs[0]]
+        rows = torch.tensor([q_start[r] for r in reqs]).unsqueeze(1) + torch.arange(Q)
+        sinks = torch.tensor([skip[r] for r in reqs])
+        tails = torch.tensor([ctx_len[r] - (ctx_len[r] // T) * T for r in reqs])
+        S, P = int(sinks.max()), int(tails.max())
+        attend = torch.cat([
+            (torch.arange(S) < sinks.unsqueeze(1)).unsqueeze(1).expand(-1, Q, -1),
+            (torch.arange(P) < tails.unsqueeze(1)).unsqueeze(1).expand(-1, Q, -1),
+            torch.ones(Q, Q, dtype=torch.bool).tril().expand(len(reqs), -1, -1)], dim=-1)
+        bias = torch.zeros(attend.shape).masked_fill_(~attend, float("-inf")).unsqueeze(1)
+        out.append(ExactBatch(
+            rows, torch.tensor([max(first_block[r], 0) for r in reqs]), S,
+            torch.tensor([max(tail_slot[r], 0) for r in reqs]), P, bias))
+    return out
+
+
+def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 attention with an additive mask, and its log-sum-exp.
+
+    q [B, Q, Hq, D]; k, v [B, E, H, D]; bias [B, 1, Q, E] (every row attends to one key
+    at least) -> out [B, Q, Hq, D], lse [B, Q, Hq].
+    """
+    G = q.shape[2] // k.shape[2]
+    q = q.float().transpose(1, 2)
+    k = k.float().repeat_interleave(G, dim=2).transpose(1, 2)
+    v = v.float().repeat_interleave(G, dim=2).transpose(1, 2)
+    if q.device.type == "cpu":  # fused, no [Q, E] score matrix (prefill chunks)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    else:
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, pages: torch.Tensor, staging: Staging, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every fresh row over its request's exact keys (:class:`ExactBatch`): out
+    [n, Hq, D] float32 and lse [n, Hq], to merge with the packed part."""
+    n, Hq, D = query.shape[0], query.shape[1], query.shape[2]
+    out = torch.empty(n, Hq, D, dtype=torch.float32)
+    lse = torch.empty(n, Hq, dtype=torch.float32)
+    for b in rplan.exact:
+        ks, vs = [], []
+        if b.sinks:
+            sk, sv = layout.read_sinks_batch(pages, b.sink_blocks, b.sinks)
+            ks.append(sk)
+            vs.append(sv)
+        if b.tail:
+            ks.append(staging.k[b.tail_slots, :b.tail].float())
+            vs.append(staging.v[b.tail_slots, :b.tail].float())
+        ks.append(key[b.rows].float())
+        vs.append(value[b.rows].float())
+        o, l = attend_with_lse(query[b.rows], torch.cat(ks, 1), torch.cat(vs, 1), b.bias, scale)
+        out[b.rows] = o
+        lse[b.rows] = l
+    return out, lse
+
+
+def context_keys(rplan: ReadPlan, r: int, layout: PagedLayout, pages: torch.Tensor,
+                 staging: Staging) -> torch.Tensor:
+    """Request r's context keys as stored before this step, decoded: [ctx, H, D] float32
+    (packed groups, sink positions from the sink area, the staged tail)."""
+    H, D, T = layout.H, layout.D, layout.T
+    g = int(rplan.num_groups[r])
+    parts = []
+    if g:
+        dk, _ = layout.decode(layout.read_states(pages, rplan.group_table[r, :g]))
+        dk = dk.reshape(g * T, H, D)
+        s = int(rplan.skip_tokens[r])
+        if s:
+            dk[:s] = layout.read_sinks(pages, rplan.first_block[r], s)[0]
+        parts.append(dk)
+    part = rplan.ctx_len[r] - g * T
+    if part:
+        parts.append(staging.k[rplan.tail_slot[r], :part].float())
+    return torch.cat(parts) if parts else torch.empty(0, H, D)
+
+
 def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor,
                   key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, staging: Staging,
-                  scale: float, out: torch.Tensor, obs_window: int | None = None) -> None:
+                  scale: float, out: torch.Tensor, obs_window: int | None = None,
+                  packed_attention=None) -> None:
     """One layer, one step: every request attends to its context (pages + staged tail
     + sinks, as stored before this step) and its fresh tokens in full precision; then
     the fresh tokens are written (:func:`apply_writes`), with STP relevance when
-    ``obs_window`` is given and the codecs use it. Writes ``out[:tokens]``."""
-    H, D, T = layout.H, layout.D, layout.T
+    ``obs_window`` is given and the codecs use it. Writes ``out[:tokens]``.
+
+    The packed groups go through ``packed_attention`` (an implementation of the
+    contract of :mod:`vllm_lowbit_kv.ops`, default its PyTorch reference), which reads
+    packed bytes only; the exact keys are attended by :func:`exact_attention`; the
+    two parts are merged by log-sum-exp. Only steps that complete a group of an STP
+    request decode that request's context (its relevance needs the attention mass
+    over every key)."""
+    from .ops import merge_attention, packed_attention_reference
+
+    T = layout.T
+    n = rplan.q_start[-1]
     want_rel = obs_window is not None and wplan.enc_gids.numel() > 0
     rel = None
     if want_rel:
         require(staging.q is not None, "staging.q", "allocated for relevance", None)
-        rel = torch.zeros(wplan.enc_gids.numel(), T, H)
+        rel = torch.zeros(wplan.enc_gids.numel(), T, layout.H)
         enc_req = wplan.enc_req.tolist()
         require(min(enc_req) >= 0, "WritePlan.enc_req", "known for relevance", enc_req)
-    dk = dv = None
-    if rplan.page_gids.numel():
-        dk, dv = layout.decode(layout.read_states(pages, rplan.page_gids))
-    for r, ctx in enumerate(rplan.ctx_len):
-        qs, qe = rplan.q_start[r], rplan.q_start[r + 1]
-        if qe == qs:
-            continue
-        if ctx > 0:
-            ks, vs = [], []
-            a, b = rplan.page_start[r], rplan.page_start[r + 1]
-            if b > a:
-                ks.append(dk[a:b].reshape(-1, H, D))
-                vs.append(dv[a:b].reshape(-1, H, D))
-            part = ctx - (b - a) * T
-            if part:
-                ks.append(staging.k[rplan.tail_slot[r], :part].float())
-                vs.append(staging.v[rplan.tail_slot[r], :part].float())
-            kc, vc = torch.cat(ks), torch.cat(vs)
-            if kc.shape[0] != ctx:
-                raise RuntimeError(f"lowbit-kv: request row {r} context has {kc.shape[0]} "
-                                   f"of {ctx} tokens")
-            n_sink = min(layout.sink_tokens, ctx)
-            if n_sink:
-                sk, sv = layout.read_sinks(pages, rplan.first_block[r], n_sink)
-                kc, vc = kc.clone(), vc.clone()
-                kc[:n_sink], vc[:n_sink] = sk, sv
-            k_all = torch.cat([kc, key[qs:qe].float()])
-            v_all = torch.cat([vc, value[qs:qe].float()])
-        else:
-            k_all, v_all = key[qs:qe].float(), value[qs:qe].float()
-        out[qs:qe] = attend(query[qs:qe], k_all, v_all, ctx, scale).to(out.dtype)
-        if want_rel and r in enc_req:
+    if n:
+        res, res_lse = exact_attention(rplan, layout, query[:n], key, value, pages, staging,
+                                       scale)
+        if rplan.page_gids.numel():
+            p_out, p_lse = (packed_attention or packed_attention_reference)(
+                query[:n], rplan.q_start_t, pages, layout, rplan.group_table, rplan.num_groups,
+                rplan.skip_tokens, scale)
+            res, _ = merge_attention(p_out, p_lse, res, res_lse)
+        out[:n] = res.to(out.dtype)
+    if want_rel:
+        for r in sorted(set(enc_req)):
+            qs, qe, ctx = rplan.q_start[r], rplan.q_start[r + 1], rplan.ctx_len[r]
+            k_all = torch.cat([context_keys(rplan, r, layout, pages, staging),
+                               key[qs:qe].float()])
             p = ctx + (qe - qs) - 1  # last position written in this step
             w0 = max(0, p - obs_window + 1)
             qw = [query[qs + max(0, w0 - ctx):qe]]
@@ -589,6 +713,7 @@ def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query:
 
 def paged_attention(plan: ReadPlan, layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, pages: torch.Tensor, staging: Staging, scale: float,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, packed_attention=None) -> None:
     """Attention only (no writes): :func:`forward_layer` with an empty write plan."""
-    forward_layer(_empty_write_plan(), plan, layout, query, key, value, pages, staging, scale, out)
+    forward_layer(_empty_write_plan(), plan, layout, query, key, value, pages, staging, scale, out,
+                  packed_attention=packed_attention)

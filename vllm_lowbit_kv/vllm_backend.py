@@ -37,6 +37,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from .codecs.base import ModelIdentity
 from .config import ADDITIONAL_CONFIG_KEY, LowBitKVConfig, LowBitKVConfigError
+from .ops import requested_implementation, select_implementation, unsupported_reason
 from .paged import PagedLayout, ReadPlan, Staging, StagingAllocator, WritePlan, forward_layer
 from .schemes import KVScheme
 from .vllm_plugin import BACKEND_NAME, is_lowbit_dtype
@@ -133,6 +134,8 @@ def check_vllm_config(vllm_config: "VllmConfig") -> None:
                                block_size=cache_config.block_size, model=model)
     from . import vllm_eviction
     reasons += vllm_eviction.eviction_refusals(vllm_config, scheme, cfg)
+    if not reasons:
+        reasons += _attention_impl_reasons(vllm_config, scheme, cfg, head_dim)
     if reasons:
         raise ValueError(f"--kv-cache-dtype {name} cannot serve {model_config.model}: "
                          + "; ".join(reasons) + ". Refusing to start rather than serve wrong outputs.")
@@ -150,6 +153,27 @@ def check_vllm_config(vllm_config: "VllmConfig") -> None:
             num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
             num_layers=num_layers, block_size=cache_config.block_size,
             model_dtype_bytes=torch.empty(0, dtype=model_config.dtype).element_size()))
+
+
+def _device_type(vllm_config: "VllmConfig") -> str:
+    return getattr(getattr(vllm_config, "device_config", None), "device_type", None) or "cpu"
+
+
+def _attention_impl_reasons(vllm_config: "VllmConfig", scheme: KVScheme, cfg: LowBitKVConfig,
+                            head_dim: int) -> list[str]:
+    """Why a packed-attention implementation named by the config (or the environment)
+    cannot run this scheme on this device; nothing for ``auto``."""
+    try:
+        name = requested_implementation(cfg.attention_impl)
+    except ValueError as e:
+        return [str(e)]
+    if name == "auto":
+        return []
+    model_config = vllm_config.model_config
+    layout = _layout(scheme, head_dim, model_config.get_num_kv_heads(vllm_config.parallel_config),
+                     scheme.block_tokens, model_config.dtype)
+    reason = unsupported_reason(name, layout, _device_type(vllm_config))
+    return [f"attention_impl {name!r} cannot run here: {reason}"] if reason else []
 
 
 def check_servable(sel) -> None:
@@ -377,6 +401,16 @@ class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
                                 block_table=cam.block_table_tensor[:R] if compacted else None)
 
 
+_logged_impls: set[str] = set()
+
+
+def _log_implementation(name: str) -> None:
+    if name not in _logged_impls:
+        _logged_impls.add(name)
+        logger.info("lowbit-kv: packed attention implementation: %s (attention_impl / %s "
+                    "choose another)", name, "LOWBIT_KV_ATTENTION_IMPL")
+
+
 class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None,
@@ -405,6 +439,12 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
         self.obs_window = cfg.obs_window if self.scheme.uses_relevance else None
         self.model_dtype = vllm_config.model_config.dtype
         self.T = self.scheme.block_tokens
+        # decided once, before serving (this may build the C++ kernel): the block size
+        # does not change which implementation can read the pages
+        self.attention_impl, self.packed_attention = select_implementation(
+            _layout(self.scheme, head_size, num_kv_heads, self.T, self.model_dtype),
+            _device_type(vllm_config), cfg.attention_impl)
+        _log_implementation(self.attention_impl)
         # The home of every running sequence's incomplete last group (and, for STP,
         # its queries), sized once.
         self.staging = Staging.allocate(staging_slots(vllm_config), self.T, num_kv_heads,
@@ -445,5 +485,5 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
         forward_layer(attn_metadata.write, attn_metadata.read_for(layer.layer_name, layout), layout,
                       query, key, value, kv_cache,
                       self.staging, self.scale, output[:n].view(n, self.num_heads, self.head_size),
-                      self.obs_window)
+                      self.obs_window, self.packed_attention)
         return output

@@ -1,0 +1,789 @@
+// Paged decode attention straight from packed low-bit pages, for the CPU.
+//
+// Implements the contract of vllm_lowbit_kv/ops/__init__.py (packed_attention):
+// every query row of request r attends to all of r's packed tokens (its
+// groups listed in group_table, minus the first skip_tokens positions); the
+// result is the softmax-weighted value (float32) and the log-sum-exp per
+// (row, query head), -inf / 0 for rows without packed keys.
+//
+// Nothing is dequantized beyond one group: a work item (request, KV head,
+// range of groups) walks its groups, decodes each group's codes into small
+// per-thread buffers and folds them into a flash-decoding style online
+// softmax. Items run in parallel through at::parallel_for (torch's OpenMP
+// pool); long contexts are split over several items and merged by
+// log-sum-exp afterwards.
+//
+// Keys are never rebuilt: where a codec is linear in its codes the query is
+// folded into the group's metadata (q . (code * scale + zero) =
+// (q * scale) . code + q . zero), and VidKV's fixed inverse map A of the rfft
+// unique parts moves onto the query (q_N . (z A) = (A q_N) . z). Scores are
+// then sums of code columns times weights, vectorized over 16 tokens. Values
+// are accumulated the same way: sum_t p_t (alpha_c trit_tc) =
+// alpha_c sum_t p_t trit_tc, vectorized over 16 channels.
+//
+// Vectors are GCC/Clang vector extensions (16 floats): AVX-512 with
+// -march=native on this machine, split into narrower registers elsewhere.
+//
+// The page formats come from Python (vllm_lowbit_kv/ops/cpu.py) as integer
+// descriptors: byte offsets of every field of one group state, in the order
+// documented by the enums below.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace lowbit_kv {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// -- descriptors (must match vllm_lowbit_kv/ops/cpu.py) -------------------------------
+enum Geometry { G_T, G_D, G_H, G_N, G_SINK_BYTES, G_STATE_BYTES, G_K_BYTES, G_COUNT };
+enum KeyKind { KEY_KIVI_CHANNEL = 0, KEY_VIDKV = 1 };
+// KEY_KIVI_CHANNEL: kind, bits, codes, scale, zero
+enum KiviKey { KK_BITS = 1, KK_CODES, KK_SCALE, KK_ZERO, KK_COUNT };
+// KEY_VIDKV: kind, n2, n1, n_protect, sign_levels, prot_scale, prot_zero, tok_mask,
+//            prot_codes, chan_mask, scale2, zero2, codes2, codes1, lo1, hi1
+enum VidKey {
+  VK_N2 = 1, VK_N1, VK_NP, VK_SIGN, VK_PROT_SCALE, VK_PROT_ZERO, VK_TOK_MASK, VK_PROT_CODES,
+  VK_CHAN_MASK, VK_SCALE2, VK_ZERO2, VK_CODES2, VK_CODES1, VK_LO1, VK_HI1, VK_COUNT
+};
+enum ValueKind { VAL_KIVI_TOKEN = 0, VAL_KIVI_CHANNEL = 1, VAL_TERNARY = 2 };
+// VAL_KIVI_TOKEN: kind, bits, group_size, codes, scale, zero
+enum KiviTokVal { KT_BITS = 1, KT_GROUP, KT_CODES, KT_SCALE, KT_ZERO, KT_COUNT };
+// VAL_KIVI_CHANNEL: kind, bits, codes, scale, zero
+enum KiviChanVal { KC_BITS = 1, KC_CODES, KC_SCALE, KC_ZERO, KC_COUNT };
+// VAL_TERNARY: kind, n_protect, prot_scale, prot_zero, tok_mask, prot_codes, alpha, trits
+enum TernVal {
+  TV_NP = 1, TV_PROT_SCALE, TV_PROT_ZERO, TV_TOK_MASK, TV_PROT_CODES, TV_ALPHA, TV_TRITS, TV_COUNT
+};
+
+// -- vectors ------------------------------------------------------------------------------
+constexpr int L = 16;  // lanes
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef int32_t vi __attribute__((vector_size(4 * L)));
+typedef uint32_t vu __attribute__((vector_size(4 * L)));
+constexpr int kMaxMB = 8;  // query vectors kept in registers at once
+
+inline vf loadf(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vu loadu(const uint32_t* p) { vu v; std::memcpy(&v, p, sizeof v); return v; }
+inline vf splat(float x) { return vf{} + x; }
+inline vi iota() { vi v; for (int l = 0; l < L; ++l) v[l] = l; return v; }
+inline int round_up(int x) { return (x + L - 1) / L * L; }
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int l = 1; l < L; ++l) m = std::max(m, v[l]);
+  return m;
+}
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int l = 0; l < L; ++l) s += v[l];
+  return s;
+}
+
+// exp(x) for softmax arguments (x <= 0 or -inf): Cody-Waite range reduction and a
+// degree-6 Taylor polynomial, about 1 ulp; x < -87 gives 0.
+inline vf vexp(vf x) {
+  const vf v = x < -87.f ? splat(-87.f) : x;
+  vf k = v * 1.44269504f + 0.5f;
+  k = __builtin_convertvector(__builtin_convertvector(k, vi), vf);
+  k = k > v * 1.44269504f + 0.5f ? k - 1.f : k;  // floor
+  const vf r = v - k * 0.693145752f - k * 1.42860677e-06f;
+  const vf p = 1.f + r * (1.f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f +
+               r * (0.00833333377f + r * 0.00138888892f)))));
+  const vi e = (__builtin_convertvector(k, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return x < -87.f ? vf{} : p * scale;
+}
+
+// -- decoding helpers -----------------------------------------------------------------
+inline void halves_to_float(const uint8_t* src, int n, float* dst) {
+  for (int i = 0; i < n; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, src + 2 * i, 2);
+    dst[i] = float(c10::Half(bits, c10::Half::from_bits()));
+  }
+}
+
+inline bool bit_at(const uint8_t* p, int i) { return (p[i >> 3] >> (i & 7)) & 1; }
+
+// Flat b-bit codes [0, count) of a stream of `bytes` bytes (little-end first) -> floats.
+// dst holds round_up(count) floats (the tail lanes get whatever codes follow, or 0).
+void decode_codes(const uint8_t* src, int64_t bytes, int64_t count, int bits, float* dst) {
+  const vi lane_bits = iota() * bits;
+  const vu mask = vu{} + ((1u << bits) - 1);
+  for (int64_t f0 = 0; f0 < count; f0 += L) {
+    const int64_t bit0 = f0 * bits, byte0 = bit0 >> 5 << 2;  // whole words
+    uint32_t w[4] = {0, 0, 0, 0};  // 16 codes of <= 8 bits starting in word byte0/4
+    if (byte0 + 16 <= bytes)
+      std::memcpy(w, src + byte0, 16);
+    else
+      std::memcpy(w, src + byte0, size_t(bytes - byte0));
+    const vi b = lane_bits + int(bit0 & 31);
+    const vu words = {w[0], w[1], w[2], w[3]};
+    const vu sel = __builtin_shuffle(words, vu(b >> 5));
+    const vu codes = (sel >> vu(b & 31)) & mask;
+    storef(dst + f0, __builtin_convertvector(vi(codes), vf));
+  }
+}
+
+// Byte -> its five trits (base 3, value - 1) as floats; rows of 8 so one 32-byte copy
+// writes a byte's trits (the extra lanes are overwritten by the next byte).
+struct TritTable {
+  alignas(64) float v[256][8];
+  TritTable() {
+    for (int b = 0; b < 256; ++b) {
+      int x = b;
+      for (int i = 0; i < 8; ++i) {
+        v[b][i] = i < 5 ? float(x % 3 - 1) : 0.f;
+        if (i < 5) x /= 3;
+      }
+    }
+  }
+};
+const TritTable& trit_table() {
+  static const TritTable table;
+  return table;
+}
+
+// n trits -> floats in {-1, 0, 1}; dst holds n + 8 floats
+inline void decode_trits(const uint8_t* src, int n, float* dst) {
+  const TritTable& t = trit_table();
+  for (int i = 0; i < (n + 4) / 5; ++i) std::memcpy(dst + 5 * i, t.v[src[i]], 32);
+}
+
+// Rows [0, n) of J b-bit codes (rows back to back in the stream) -> W = ceil(J b / 32)
+// words per row, word-major: words[w * TP + i]; rows [n, TP) are zero.
+int repack_rows(const uint8_t* src, int n, int J, int bits, uint32_t* words, int TP) {
+  const int64_t row_bits = int64_t(J) * bits, bytes = (n * row_bits + 7) / 8;
+  const int W = int((row_bits + 31) / 32);
+  if (row_bits % 32 == 0) {  // rows are whole words: a transpose
+    for (int i = 0; i < n; ++i)
+      for (int w = 0; w < W; ++w) std::memcpy(&words[w * TP + i], src + 4 * (int64_t(i) * W + w), 4);
+  } else {
+    for (int i = 0; i < n; ++i)
+      for (int w = 0; w < W; ++w) {
+        const int64_t bit = i * row_bits + 32 * w, byte = bit >> 3;
+        uint64_t v = 0;
+        std::memcpy(&v, src + byte, size_t(std::min<int64_t>(8, bytes - byte)));
+        uint32_t word = uint32_t(v >> (bit & 7));
+        const int64_t left = row_bits - 32 * w;
+        if (left < 32) word &= (1u << left) - 1;
+        words[w * TP + i] = word;
+      }
+  }
+  for (int w = 0; w < W; ++w) std::fill(words + w * TP + n, words + (w + 1) * TP, 0u);
+  return W;
+}
+
+// out[m * TP + i] += sum_j w[m * J + j] code(i, j) for MB query vectors from m0, over
+// repacked rows; vectorized over 16 rows, query vectors in registers.
+template <int MB>
+void column_scores(const uint32_t* words, int W, int TP, int J, int bits, const float* w,
+                   float* out, int m0) {
+  const int per_word = 32 / bits;
+  const uint32_t mask = (1u << bits) - 1;
+  for (int tb = 0; tb < TP; tb += L) {
+    vf acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = loadf(out + (m0 + m) * TP + tb);
+    for (int wi = 0; wi < W; ++wi) {
+      const vu wv = loadu(words + wi * TP + tb);
+      const int jn = std::min(per_word, J - wi * per_word);
+      const float* wj = w + wi * per_word;
+      if (bits == 1) {  // a masked add per bit instead of a conversion
+        for (int k = 0; k < jn; ++k) {
+          const vi set = vi((wv & (1u << k)) != 0);
+          for (int m = 0; m < MB; ++m) acc[m] = set ? acc[m] + wj[(m0 + m) * J + k] : acc[m];
+        }
+        continue;
+      }
+      for (int k = 0; k < jn; ++k) {
+        const vf c = __builtin_convertvector(vi((wv >> unsigned(k * bits)) & mask), vf);
+        for (int m = 0; m < MB; ++m) acc[m] += c * wj[(m0 + m) * J + k];
+      }
+    }
+    for (int m = 0; m < MB; ++m) storef(out + (m0 + m) * TP + tb, acc[m]);
+  }
+}
+
+// acc_w[m * D + c] = sum_i p[m * TP + pos[i]] x[i * D + c] for MB query vectors from m0,
+// psum[m] = sum_i p[m * TP + pos[i]]; vectorized over 16 channels, sums in registers.
+template <int MB>
+void row_sums(const float* x, const int* pos, int rows, int D, const float* p, int TP,
+              float* acc_w, float* psum, int m0) {
+  for (int m = 0; m < MB; ++m) {
+    float s = 0.f;
+    for (int i = 0; i < rows; ++i) s += p[(m0 + m) * TP + pos[i]];
+    psum[m0 + m] = s;
+  }
+  for (int c0 = 0; c0 < D; c0 += L) {
+    vf acc[MB] = {};
+    for (int i = 0; i < rows; ++i) {
+      const vf xv = loadf(x + i * D + c0);
+      for (int m = 0; m < MB; ++m) acc[m] += xv * p[(m0 + m) * TP + pos[i]];
+    }
+    for (int m = 0; m < MB; ++m) storef(acc_w + (m0 + m) * D + c0, acc[m]);
+  }
+}
+
+// Dispatch a kernel templated on the block size over all M query vectors.
+#define LOWBIT_FOR_BLOCKS(M, KERNEL, ...)                                    \
+  for (int m0_ = 0; m0_ < (M); m0_ += kMaxMB) {                              \
+    switch (std::min(kMaxMB, (M) - m0_)) {                                   \
+      case 1: KERNEL<1>(__VA_ARGS__, m0_); break;                            \
+      case 2: KERNEL<2>(__VA_ARGS__, m0_); break;                            \
+      case 3: KERNEL<3>(__VA_ARGS__, m0_); break;                            \
+      case 4: KERNEL<4>(__VA_ARGS__, m0_); break;                            \
+      case 5: KERNEL<5>(__VA_ARGS__, m0_); break;                            \
+      case 6: KERNEL<6>(__VA_ARGS__, m0_); break;                            \
+      case 7: KERNEL<7>(__VA_ARGS__, m0_); break;                            \
+      default: KERNEL<8>(__VA_ARGS__, m0_); break;                           \
+    }                                                                        \
+  }
+
+// u[m * n + j] = sum_c at[c * n + j] x[m * n + c] (at = A transposed) for MB vectors from m0
+template <int MB>
+void mat_vec(const float* at, int n, const float* x, float* u, int m0) {
+  for (int j0 = 0; j0 < n; j0 += L) {
+    vf acc[MB] = {};
+    const int lanes = std::min(L, n - j0);
+    for (int c = 0; c < n; ++c) {
+      vf col = vf{};
+      if (lanes == L)
+        col = loadf(at + size_t(c) * n + j0);
+      else
+        std::memcpy(&col, at + size_t(c) * n + j0, sizeof(float) * lanes);
+      for (int m = 0; m < MB; ++m) acc[m] += col * x[(m0 + m) * n + c];
+    }
+    for (int m = 0; m < MB; ++m) std::memcpy(u + (m0 + m) * n + j0, &acc[m], sizeof(float) * lanes);
+  }
+}
+
+// token positions of an STP group: protected first, then the rest, each in order
+// (vidkv.py front_perm); identity when nothing is protected
+void stp_positions(const uint8_t* tok_mask, int T, int n_protect, int* pos) {
+  if (!n_protect) {
+    for (int t = 0; t < T; ++t) pos[t] = t;
+    return;
+  }
+  int ip = 0;
+  for (int t = 0; t < T; ++t) ip += bit_at(tok_mask, t);
+  TORCH_CHECK(ip == n_protect, "lowbit-kv: tok_mask has ", ip, " bits set, not ", n_protect,
+              " (corrupt page?)");
+  int il = n_protect;
+  ip = 0;
+  for (int t = 0; t < T; ++t) {  // branch-free: the mask bits are random
+    const int bit = bit_at(tok_mask, t);
+    pos[bit ? ip : il] = t;
+    ip += bit;
+    il += 1 - bit;
+  }
+}
+
+// -- per-thread scratch -------------------------------------------------------------------
+struct Format {
+  int T, D, TP, H, N;
+  int64_t sink_bytes, state_bytes, k_bytes;
+  std::vector<int64_t> key, val;
+  const float* fft_map_t;  // [n1, n1] A transposed (column j of A is row j), or nullptr
+};
+
+struct Scratch {
+  std::vector<uint32_t> words;  // repacked code rows, [D / 4 + 1][TP]
+  std::vector<float> x;         // decoded value rows [T * D] (+ tail)
+  std::vector<float> ss;        // scores in storage order (STP keys) [M * TP]
+  std::vector<float> w, w1;     // weights per query vector [M * D]
+  std::vector<float> cst, psum; // [M]
+  std::vector<float> meta;      // [4 * D]: metadata of one group as floats
+  std::vector<float> extra;     // STP keys: protected scores; KIVI values: per-token scale/zero
+  std::vector<float> qn, u;     // [M * D]: normal channels of the queries, A q_N
+  std::vector<int> idx2, idxn, kpos, vpos;
+  Scratch(const Format& f, int M)
+      : words(size_t(f.D / 4 + 1) * f.TP), x(size_t(f.TP) * f.D + 2 * L), ss(size_t(M) * f.TP),
+        w(size_t(M) * f.D), w1(size_t(M) * f.D), cst(M), psum(M), meta(4 * size_t(f.D)),
+        qn(size_t(M) * f.D), u(size_t(M) * f.D), idx2(f.D), idxn(f.D), kpos(f.T), vpos(f.T) {}
+};
+
+// -- keys: scores sc[m * TP + t] = q_m . k_t (q already scaled), token order --------------
+// scores of rows coded per channel (b-bit codes, fp16 scale/zero per channel over D)
+void affine_channel_scores(const uint8_t* codes, int rows, int bits, const uint8_t* scale_h,
+                           const uint8_t* zero_h, const float* q, int M, int D, int TP,
+                           float* out, Scratch& s) {
+  float* scale = s.meta.data();
+  float* zero = scale + D;
+  halves_to_float(scale_h, D, scale);
+  halves_to_float(zero_h, D, zero);
+  for (int m = 0; m < M; ++m) {
+    float c0 = 0.f;
+    for (int c = 0; c < D; ++c) {
+      s.w[m * D + c] = q[m * D + c] * scale[c];
+      c0 += q[m * D + c] * zero[c];
+    }
+    std::fill(out + m * TP, out + (m + 1) * TP, c0);
+  }
+  const int W = repack_rows(codes, rows, D, bits, s.words.data(), TP);
+  LOWBIT_FOR_BLOCKS(M, column_scores, s.words.data(), W, TP, D, bits, s.w.data(), out)
+}
+
+void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float* sc, Scratch& s) {
+  const int T = f.T, D = f.D, TP = f.TP;
+  const auto& d = f.key;
+  if (d[0] == KEY_KIVI_CHANNEL) {
+    affine_channel_scores(st + d[KK_CODES], T, int(d[KK_BITS]), st + d[KK_SCALE],
+                          st + d[KK_ZERO], q, M, D, TP, sc, s);
+    return;
+  }
+  const int n2 = int(d[VK_N2]), n1 = int(d[VK_N1]), np = int(d[VK_NP]), n = T - np;
+  int* pos = s.kpos.data();
+  stp_positions(np ? st + d[VK_TOK_MASK] : nullptr, T, np, pos);
+  // STP: scores in storage order (protected rows, then the rest), scattered at the end
+  float* low = np ? s.ss.data() : sc;
+  std::vector<float>& prot = s.extra;
+  if (np) {  // protected tokens: 2-bit per channel over all D channels
+    prot.resize(size_t(M) * TP);
+    affine_channel_scores(st + d[VK_PROT_CODES], np, 2, st + d[VK_PROT_SCALE],
+                          st + d[VK_PROT_ZERO], q, M, D, TP, prot.data(), s);
+  }
+  // low tokens: 2-bit channels (chan_mask set) and 1-bit (FFT) components
+  const uint8_t* cmask = st + d[VK_CHAN_MASK];
+  int j2 = 0, jn = 0;
+  for (int c = 0; c < D; ++c) {  // branch-free: the mask bits are random
+    const int bit = bit_at(cmask, c);
+    s.idx2[j2] = c;
+    s.idxn[jn] = c;
+    j2 += bit;
+    jn += 1 - bit;
+  }
+  TORCH_CHECK(j2 == n2, "lowbit-kv: chan_mask has ", j2, " bits set, not ", n2, " (corrupt page?)");
+  float* scale2 = s.meta.data();
+  float* zero2 = scale2 + D;
+  float* lo = zero2 + D;
+  float* hi = lo + D;
+  halves_to_float(st + d[VK_SCALE2], n2, scale2);
+  halves_to_float(st + d[VK_ZERO2], n2, zero2);
+  halves_to_float(st + d[VK_HI1], n1, hi);
+  if (d[VK_SIGN])
+    for (int j = 0; j < n1; ++j) lo[j] = -hi[j];
+  else
+    halves_to_float(st + d[VK_LO1], n1, lo);
+  float* w2 = s.w.data();   // [M][n2]
+  float* w1 = s.w1.data();  // [M][n1]
+  float* qn = s.qn.data();  // [M][n1]: the normal channels, then A q_N in place
+  for (int m = 0; m < M; ++m) {
+    const float* qm = q + m * D;
+    float c0 = 0.f;
+    for (int j = 0; j < n2; ++j) {
+      const float qc = qm[s.idx2[j]];
+      w2[m * n2 + j] = qc * scale2[j];
+      c0 += qc * zero2[j];
+    }
+    s.cst[m] = c0;
+    for (int j = 0; j < n1; ++j) qn[m * n1 + j] = qm[s.idxn[j]];
+  }
+  if (f.fft_map_t) {  // u = A q_N: the inverse transform moved onto the query
+    LOWBIT_FOR_BLOCKS(M, mat_vec, f.fft_map_t, n1, qn, s.u.data())
+    std::copy(s.u.begin(), s.u.begin() + size_t(M) * n1, qn);
+  }
+  for (int m = 0; m < M; ++m) {
+    const float* u = qn + m * n1;
+    float c0 = s.cst[m];
+    for (int j = 0; j < n1; ++j) {
+      c0 += u[j] * lo[j];
+      w1[m * n1 + j] = u[j] * (hi[j] - lo[j]);
+    }
+    std::fill(low + m * TP, low + (m + 1) * TP, c0);
+  }
+  if (n2) {
+    const int W = repack_rows(st + d[VK_CODES2], n, n2, 2, s.words.data(), TP);
+    LOWBIT_FOR_BLOCKS(M, column_scores, s.words.data(), W, TP, n2, 2, w2, low)
+  }
+  if (n1) {
+    const int W = repack_rows(st + d[VK_CODES1], n, n1, 1, s.words.data(), TP);
+    LOWBIT_FOR_BLOCKS(M, column_scores, s.words.data(), W, TP, n1, 1, w1, low)
+  }
+  if (np) {  // scatter storage order to token order
+    for (int m = 0; m < M; ++m) {
+      for (int i = 0; i < np; ++i) sc[m * TP + pos[i]] = prot[m * TP + i];
+      for (int i = 0; i < n; ++i) sc[m * TP + pos[np + i]] = low[m * TP + i];
+    }
+  }
+}
+
+// -- values: acc[m * D + c] += sum_t p[m * TP + t] v_tc -------------------------------------
+// acc += a[c] * (sum_i p_i x_ic) + b[c] * (sum_i p_i) over the given rows of x
+void accumulate(const float* x, const int* pos, int rows, const float* p, int M, int D, int TP,
+                const float* a, const float* b, float* acc, Scratch& s) {
+  LOWBIT_FOR_BLOCKS(M, row_sums, x, pos, rows, D, p, TP, s.w.data(), s.psum.data())
+  for (int m = 0; m < M; ++m) {
+    const float* wm = s.w.data() + m * D;
+    float* am = acc + m * D;
+    const float ps = s.psum[m];
+    if (b) {
+#pragma omp simd
+      for (int c = 0; c < D; ++c) am[c] += a[c] * wm[c] + b[c] * ps;
+    } else {
+#pragma omp simd
+      for (int c = 0; c < D; ++c) am[c] += a[c] * wm[c];
+    }
+  }
+}
+
+int64_t code_bytes(int64_t count, int bits) { return (count * bits + 7) / 8; }
+
+void accumulate_values(const Format& f, const uint8_t* sv, const float* p, int M, float* acc,
+                       Scratch& s) {
+  const int T = f.T, D = f.D, TP = f.TP;
+  const auto& d = f.val;
+  float* x = s.x.data();
+  float* scale = s.meta.data();
+  float* zero = scale + D;
+  int* pos = s.vpos.data();
+  if (d[0] == VAL_KIVI_TOKEN) {  // rows decoded to values (scale/zero per token group)
+    const int bits = int(d[KT_BITS]), gs = int(d[KT_GROUP]), ng = D / gs;
+    decode_codes(sv + d[KT_CODES], code_bytes(int64_t(T) * D, bits), int64_t(T) * D, bits, x);
+    std::vector<float>& sz = s.extra;  // scale then zero, [T][ng] each
+    sz.resize(size_t(2) * T * ng);
+    halves_to_float(sv + d[KT_SCALE], T * ng, sz.data());
+    halves_to_float(sv + d[KT_ZERO], T * ng, sz.data() + T * ng);
+    for (int t = 0; t < T; ++t)
+      for (int g = 0; g < ng; ++g) {
+        const float sc = sz[t * ng + g], z = sz[T * ng + t * ng + g];
+        float* xr = x + t * D + g * gs;
+#pragma omp simd
+        for (int c = 0; c < gs; ++c) xr[c] = xr[c] * sc + z;
+      }
+    stp_positions(nullptr, T, 0, pos);
+    std::fill(scale, scale + D, 1.f);
+    accumulate(x, pos, T, p, M, D, TP, scale, nullptr, acc, s);
+    return;
+  }
+  if (d[0] == VAL_KIVI_CHANNEL) {
+    const int bits = int(d[KC_BITS]);
+    halves_to_float(sv + d[KC_SCALE], D, scale);
+    halves_to_float(sv + d[KC_ZERO], D, zero);
+    decode_codes(sv + d[KC_CODES], code_bytes(int64_t(T) * D, bits), int64_t(T) * D, bits, x);
+    stp_positions(nullptr, T, 0, pos);
+    accumulate(x, pos, T, p, M, D, TP, scale, zero, acc, s);
+    return;
+  }
+  // ternary (+ STP): protected rows 2-bit per channel, the rest alpha_c * trit
+  const int np = int(d[TV_NP]), n = T - np;
+  stp_positions(np ? sv + d[TV_TOK_MASK] : nullptr, T, np, pos);
+  if (np) {
+    halves_to_float(sv + d[TV_PROT_SCALE], D, scale);
+    halves_to_float(sv + d[TV_PROT_ZERO], D, zero);
+    decode_codes(sv + d[TV_PROT_CODES], code_bytes(int64_t(np) * D, 2), int64_t(np) * D, 2, x);
+    accumulate(x, pos, np, p, M, D, TP, scale, zero, acc, s);
+  }
+  halves_to_float(sv + d[TV_ALPHA], D, scale);
+  decode_trits(sv + d[TV_TRITS], n * D, x);
+  accumulate(x, pos + np, n, p, M, D, TP, scale, nullptr, acc, s);
+}
+
+// -- one work item: request r, KV head h, its groups [g_lo, g_hi) -----------------------
+struct Item {
+  int64_t r, h, g_lo, g_hi, partial;  // partial: index into the split buffers, -1: final
+};
+
+struct Run {
+  const Format* f;
+  const uint8_t* pages;
+  int64_t block_stride, head_stride;
+  const int64_t* q_start;
+  const int64_t* table;
+  int64_t table_stride;
+  const int64_t* skip;
+  at::ScalarType qtype;
+  const void* query;
+  int64_t q_row_stride, q_head_stride;
+  int64_t Hq, G;
+  float scale;
+};
+
+inline float load_q(const Run& run, int64_t row, int64_t head, int64_t c) {
+  const int64_t i = row * run.q_row_stride + head * run.q_head_stride + c;
+  switch (run.qtype) {
+    case at::kFloat: return static_cast<const float*>(run.query)[i];
+    case at::kBFloat16: return float(static_cast<const c10::BFloat16*>(run.query)[i]);
+    default: return float(static_cast<const c10::Half*>(run.query)[i]);
+  }
+}
+
+// Per-thread buffers of the item loop.
+struct Work {
+  Scratch s;
+  std::vector<float> q, sc, acc, mrun, lsum;
+  Work(const Format& f, int M)
+      : s(f, M), q(size_t(M) * f.D), sc(size_t(M) * f.TP), acc(size_t(M) * f.D), mrun(M), lsum(M) {}
+};
+
+// Online softmax over the item's groups. Leaves acc (unnormalized), mrun (running max)
+// and lsum (sum of exp(score - mrun)) for the M = rows * G query vectors.
+void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun, float* lsum) {
+  const Format& f = *run.f;
+  const int T = f.T, D = f.D, TP = f.TP;
+  const int64_t q0 = run.q_start[it.r], rows = run.q_start[it.r + 1] - q0;
+  const int M = int(rows * run.G);
+  float* q = wk.q.data();
+  float* sc = wk.sc.data();
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t g = 0; g < run.G; ++g)
+      for (int c = 0; c < D; ++c)
+        q[(i * run.G + g) * D + c] = load_q(run, q0 + i, it.h * run.G + g, c) * run.scale;
+  std::fill(acc, acc + size_t(M) * D, 0.f);
+  std::fill(mrun, mrun + M, kNegInf);
+  std::fill(lsum, lsum + M, 0.f);
+  const int64_t skip = run.skip[it.r];
+  const int64_t* gids = run.table + it.r * run.table_stride;
+  auto state = [&](int64_t gid) {
+    return run.pages + (gid / f.N) * run.block_stride + it.h * run.head_stride + f.sink_bytes +
+           (gid % f.N) * f.state_bytes;
+  };
+  for (int64_t gi = it.g_lo; gi < it.g_hi; ++gi) {
+    const uint8_t* st = state(gids[gi]);
+    if (gi + 1 < it.g_hi) {  // the next group's bytes: states are scattered over the cache
+      const uint8_t* next = state(gids[gi + 1]);
+      for (int64_t b = 0; b < f.state_bytes; b += 64) __builtin_prefetch(next + b);
+    }
+    key_scores(f, st, q, M, sc, wk.s);
+    const int masked = int(std::clamp<int64_t>(skip - gi * T, 0, T));  // leading sink positions
+    for (int m = 0; m < M; ++m) {
+      float* row = sc + m * TP;
+      std::fill(row, row + masked, kNegInf);
+      std::fill(row + T, row + TP, kNegInf);
+      vf mx = splat(kNegInf);
+      for (int t = 0; t < TP; t += L) mx = mx > loadf(row + t) ? mx : loadf(row + t);
+      const float mnew = std::max(mrun[m], hmax(mx));
+      if (mnew == kNegInf) {  // every position of this group masked
+        std::fill(row, row + TP, 0.f);
+        continue;
+      }
+      const float corr = std::exp(mrun[m] - mnew);  // 0 for the first keys
+      mrun[m] = mnew;
+      vf psum = vf{};
+      for (int t = 0; t < TP; t += L) {
+        const vf e = vexp(loadf(row + t) - mnew);
+        storef(row + t, e);
+        psum += e;
+      }
+      lsum[m] = lsum[m] * corr + hsum(psum);
+      if (corr != 1.f) {
+        float* am = acc + size_t(m) * D;
+#pragma omp simd
+        for (int c = 0; c < D; ++c) am[c] *= corr;
+      }
+    }
+    accumulate_values(f, st + f.k_bytes, sc, M, acc, wk.s);
+  }
+}
+
+void write_rows(const Run& run, int64_t r, int64_t h, const float* acc, const float* mrun,
+                const float* lsum, float* out, float* lse, int D) {
+  const int64_t q0 = run.q_start[r], rows = run.q_start[r + 1] - q0;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t g = 0; g < run.G; ++g) {
+      const int64_t m = i * run.G + g, head = h * run.G + g;
+      float* o = out + ((q0 + i) * run.Hq + head) * D;
+      const bool any = lsum[m] > 0.f;
+      const float inv = any ? 1.f / lsum[m] : 0.f;
+      for (int c = 0; c < D; ++c) o[c] = acc[m * D + c] * inv;
+      lse[(q0 + i) * run.Hq + head] = any ? mrun[m] + std::log(lsum[m]) : kNegInf;
+    }
+}
+
+constexpr int64_t kMinGroupsPerSplit = 4;
+
+}  // namespace
+
+void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const at::Tensor& pages,
+                      const at::Tensor& group_table, const at::Tensor& num_groups,
+                      const at::Tensor& skip_tokens, double scale, at::IntArrayRef geometry,
+                      at::IntArrayRef key_desc, at::IntArrayRef value_desc,
+                      const at::Tensor& fft_map, const at::Tensor& out, const at::Tensor& lse) {
+  TORCH_CHECK(geometry.size() == G_COUNT, "geometry: ", G_COUNT, " entries expected");
+  Format f{int(geometry[G_T]), int(geometry[G_D]), round_up(int(geometry[G_T])),
+           int(geometry[G_H]), int(geometry[G_N]), geometry[G_SINK_BYTES],
+           geometry[G_STATE_BYTES], geometry[G_K_BYTES], key_desc.vec(), value_desc.vec(), nullptr};
+  TORCH_CHECK(!f.key.empty() && !f.val.empty(), "empty codec descriptor");
+  TORCH_CHECK((f.key[0] == KEY_KIVI_CHANNEL && f.key.size() == KK_COUNT) ||
+                  (f.key[0] == KEY_VIDKV && f.key.size() == VK_COUNT),
+              "key descriptor: unknown kind or length");
+  TORCH_CHECK((f.val[0] == VAL_KIVI_TOKEN && f.val.size() == KT_COUNT) ||
+                  (f.val[0] == VAL_KIVI_CHANNEL && f.val.size() == KC_COUNT) ||
+                  (f.val[0] == VAL_TERNARY && f.val.size() == TV_COUNT),
+              "value descriptor: unknown kind or length");
+  const int64_t T = f.T, D = f.D, H = f.H;
+  TORCH_CHECK(D % L == 0, "head_dim must be a multiple of ", L);
+  TORCH_CHECK(query.dim() == 3 && query.size(2) == D && query.stride(2) == 1,
+              "query: [n, Hq, ", D, "] with unit stride in the last dim");
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16 ||
+                  query.scalar_type() == at::kHalf,
+              "query dtype: float32, bfloat16 or float16");
+  const int64_t n = query.size(0), Hq = query.size(1);
+  TORCH_CHECK(Hq % H == 0, "query heads (", Hq, ") must be a multiple of the KV heads (", H, ")");
+  TORCH_CHECK(pages.scalar_type() == at::kByte && pages.dim() == 3 && pages.size(1) == H &&
+                  pages.stride(2) == 1,
+              "pages: uint8 [num_blocks, H, page bytes] with unit stride in the last dim");
+  TORCH_CHECK(pages.size(2) == f.sink_bytes + f.N * f.state_bytes, "pages: ",
+              f.sink_bytes + f.N * f.state_bytes, " bytes per head expected");
+  for (const at::Tensor* t : {&q_start, &group_table, &num_groups, &skip_tokens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors: int64 contiguous");
+  const int64_t R = q_start.numel() - 1;
+  TORCH_CHECK(R >= 0 && num_groups.numel() == R && skip_tokens.numel() == R &&
+                  group_table.dim() == 2 && group_table.size(0) == R,
+              "q_start [R+1], num_groups [R], skip_tokens [R], group_table [R, G_max]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 3 &&
+                  out.size(0) == n && out.size(1) == Hq && out.size(2) == D,
+              "out: float32 contiguous [n, Hq, D]");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == n * Hq,
+              "lse: float32 contiguous [n, Hq]");
+  if (f.key[0] == KEY_VIDKV && fft_map.numel()) {
+    const int64_t n1 = f.key[VK_N1];
+    TORCH_CHECK(fft_map.scalar_type() == at::kFloat && fft_map.is_contiguous() &&
+                    fft_map.numel() == n1 * n1,
+                "fft_map: float32 contiguous [n1, n1] (A transposed)");
+    f.fft_map_t = fft_map.data_ptr<float>();
+  }
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* ng = num_groups.data_ptr<int64_t>();
+  const int64_t* sk = skip_tokens.data_ptr<int64_t>();
+  TORCH_CHECK(R == 0 || (qs[0] >= 0 && qs[R] <= n), "q_start must lie in [0, n]");
+  const int64_t num_gids = pages.size(0) * f.N;
+  const int64_t* table = group_table.data_ptr<int64_t>();
+  float* out_p = out.data_ptr<float>();
+  float* lse_p = lse.data_ptr<float>();
+  const int64_t G = Hq / H;
+
+  // rows outside every request, and requests without packed keys: out 0, lse -inf
+  std::vector<char> covered(n, 0);
+  std::vector<int64_t> active;
+  int64_t total_work = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(qs[r + 1] >= qs[r], "q_start must be non-decreasing");
+    TORCH_CHECK(ng[r] >= 0 && ng[r] <= group_table.size(1), "num_groups[", r, "] out of range");
+    const int64_t first = std::max<int64_t>(sk[r], 0) / T;
+    if (qs[r + 1] > qs[r] && ng[r] > first) {
+      for (int64_t gi = first; gi < ng[r]; ++gi) {
+        const int64_t gid = table[r * group_table.stride(0) + gi];
+        TORCH_CHECK(gid >= 0 && gid < num_gids, "group_table[", r, ", ", gi, "] = ", gid,
+                    " outside the cache's ", num_gids, " groups");
+      }
+      active.push_back(r);
+      total_work += (ng[r] - first) * (qs[r + 1] - qs[r]);
+      std::fill(covered.begin() + qs[r], covered.begin() + qs[r + 1], 1);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if (!covered[i]) {
+      std::fill(out_p + i * Hq * D, out_p + (i + 1) * Hq * D, 0.f);
+      std::fill(lse_p + i * Hq, lse_p + (i + 1) * Hq, kNegInf);
+    }
+  if (active.empty()) return;
+
+  // Work items: (request, head) pairs, long contexts split so that every thread gets
+  // several items; the splits of one (request, head) are merged below.
+  const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
+  const int64_t want_items = 4 * threads;
+  const int64_t base_items = int64_t(active.size()) * H;
+  std::vector<Item> items;
+  int64_t partials = 0, max_m = 0;
+  for (int64_t r : active) {
+    const int64_t first = std::max<int64_t>(sk[r], 0) / T, groups = ng[r] - first;
+    const int64_t rows = qs[r + 1] - qs[r];
+    max_m = std::max(max_m, rows * G);
+    // a share of the wanted items proportional to this request's work
+    int64_t splits = base_items >= want_items
+                         ? 1
+                         : (want_items * groups * rows + total_work * H - 1) / (total_work * H);
+    splits = std::clamp<int64_t>(splits, 1, std::max<int64_t>(groups / kMinGroupsPerSplit, 1));
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t s = 0; s < splits; ++s) {
+        const int64_t lo = first + groups * s / splits, hi = first + groups * (s + 1) / splits;
+        items.push_back({r, h, lo, hi, splits > 1 ? partials++ : -1});
+      }
+  }
+  std::vector<float> p_acc, p_m, p_l;
+  if (partials) {
+    p_acc.resize(size_t(partials) * max_m * D);
+    p_m.resize(size_t(partials) * max_m);
+    p_l.resize(size_t(partials) * max_m);
+  }
+
+  Run run{&f, pages.data_ptr<uint8_t>(), pages.stride(0), pages.stride(1), qs, table,
+          group_table.stride(0), sk, query.scalar_type(), query.data_ptr(), query.stride(0),
+          query.stride(1), Hq, G, float(scale)};
+
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+    Work wk(f, int(max_m));
+    for (int64_t k = begin; k < end; ++k) {
+      const Item& it = items[k];
+      if (it.partial >= 0) {
+        const size_t at_m = size_t(it.partial) * max_m;
+        run_item(run, it, wk, p_acc.data() + at_m * D, p_m.data() + at_m, p_l.data() + at_m);
+      } else {
+        run_item(run, it, wk, wk.acc.data(), wk.mrun.data(), wk.lsum.data());
+        write_rows(run, it.r, it.h, wk.acc.data(), wk.mrun.data(), wk.lsum.data(), out_p, lse_p,
+                   int(D));
+      }
+    }
+  });
+  if (!partials) return;
+
+  // merge the splits of each (request, head) by log-sum-exp
+  std::vector<std::pair<int64_t, int64_t>> runs;  // [first, end) items of one (request, head)
+  for (int64_t k = 0; k < int64_t(items.size());) {
+    int64_t e = k + 1;
+    while (e < int64_t(items.size()) && items[e].r == items[k].r && items[e].h == items[k].h) ++e;
+    if (items[k].partial >= 0) runs.push_back({k, e});
+    k = e;
+  }
+  at::parallel_for(0, int64_t(runs.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc, mrun, lsum;
+    for (int64_t k = begin; k < end; ++k) {
+      const Item& first = items[runs[k].first];
+      const int64_t M = (qs[first.r + 1] - qs[first.r]) * G;
+      acc.assign(size_t(M) * D, 0.f);
+      mrun.assign(M, kNegInf);
+      lsum.assign(M, 0.f);
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t j = runs[k].first; j < runs[k].second; ++j)
+          mrun[m] = std::max(mrun[m], p_m[size_t(items[j].partial) * max_m + m]);
+        if (mrun[m] == kNegInf) continue;
+        for (int64_t j = runs[k].first; j < runs[k].second; ++j) {
+          const size_t at_m = size_t(items[j].partial) * max_m + m;
+          if (p_m[at_m] == kNegInf) continue;
+          const float w = std::exp(p_m[at_m] - mrun[m]);
+          lsum[m] += w * p_l[at_m];
+          const float* src = p_acc.data() + at_m * D;
+          float* dst = acc.data() + m * D;
+#pragma omp simd
+          for (int64_t c = 0; c < D; ++c) dst[c] += w * src[c];
+        }
+      }
+      write_rows(run, first.r, first.h, acc.data(), mrun.data(), lsum.data(), out_p, lse_p, int(D));
+    }
+  });
+}
+
+TORCH_LIBRARY(lowbit_kv_cpu, m) {
+  m.def(
+      "packed_attention(Tensor query, Tensor q_start, Tensor pages, Tensor group_table, "
+      "Tensor num_groups, Tensor skip_tokens, float scale, int[] geometry, int[] key_desc, "
+      "int[] value_desc, Tensor fft_map, Tensor(a!) out, Tensor(b!) lse) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(lowbit_kv_cpu, CPU, m) { m.impl("packed_attention", &packed_attention); }
+
+}  // namespace lowbit_kv

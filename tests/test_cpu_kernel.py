@@ -1,0 +1,212 @@
+"""The C++ CPU kernel (csrc/cpu/, vllm_lowbit_kv.ops.cpu) against the reference.
+
+The kernel is built here on first use (JIT, ~20 s, cached under the project
+cache). Every comparison runs on fresh random pages with the kernel's outputs
+poisoned (NaN) before the call.
+
+Tolerances: both the kernel and ``packed_attention_reference`` widen the query
+exactly to float32 (fp32, bf16 and fp16 queries alike) and work in float32;
+they differ in summation order (the kernel folds the query into each group's
+metadata and sums per group with an online softmax), so outputs agree to
+``OUT_TOL`` (atol 5e-5, rtol 1e-4 on softmax-weighted values of unit scale)
+and log-sum-exps to ``LSE_TOL`` (atol 5e-5) for every query dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_lowbit_kv.ops import (packed_attention_reference, select_implementation,
+                                unsupported_reason)
+from vllm_lowbit_kv.ops import cpu
+from vllm_lowbit_kv.paged import PagedLayout
+from vllm_lowbit_kv.schemes import get_scheme
+
+from test_paged import make, rnd, run_schedule
+
+OUT_TOL = dict(atol=5e-5, rtol=1e-4)
+LSE_TOL = dict(atol=5e-5, rtol=0)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: (scheme, overrides): the three the issue names, the other servable formats, and
+#: codec variants that change the page format the kernel reads
+FORMATS = [
+    ("vidkv", {}), ("vidkv_stp", {}), ("kivi2", {}), ("kivi4", {}), ("vidkv_k2v2", {}),
+    ("vidkv_k15v2", {}), ("vidkv", {"fft": False}), ("vidkv", {"one_bit": "sign"}),
+    ("vidkv", {"one_bit": "minmax", "k": 0.75}), ("kivi2", {"group_size": 16}),
+    ("vidkv_stp", {"protect": 0.3}),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    reason = cpu.load_library()
+    assert reason is None, reason  # CI must build the kernel, not skip it
+
+
+def layout_for(scheme, params, H, T, block_size, sinks=0, D=64):
+    s = get_scheme(scheme)
+    s = s.with_params(**params) if params else s
+    kc, vc = s.codecs(D, T)
+    return PagedLayout(kc, vc, H, block_size, sinks)
+
+
+def random_case(layout, n_groups, q_rows, Hq, seed, num_blocks=None, key_scale=2.0):
+    """Pages with every request's groups encoded from random K/V (the rest random bytes),
+    a group table, queries."""
+    g = torch.Generator().manual_seed(seed)
+    T, H, D, N = layout.T, layout.H, layout.D, layout.groups_per_block
+    total = sum(n_groups)
+    num_blocks = num_blocks or max(1, -(-total // N) + 2)
+    pages = torch.randint(0, 256, layout.page_shape(num_blocks), dtype=torch.uint8, generator=g)
+    gids = torch.randperm(num_blocks * N, generator=g)[:total]
+    if total:
+        k = torch.randn(total, T, H, D, generator=g) * key_scale
+        v = torch.randn(total, T, H, D, generator=g)
+        rel = torch.rand(total, T, H, generator=g)
+        layout.write_states(pages, gids, layout.encode(k, v, rel))
+    table = torch.zeros(len(n_groups), max(n_groups + [1]), dtype=torch.int64)
+    at = 0
+    for r, n in enumerate(n_groups):
+        table[r, :n] = gids[at:at + n]
+        at += n
+    q_start = torch.tensor([0] + q_rows).cumsum(0)
+    query = torch.randn(int(q_start[-1]), Hq, D, generator=g)
+    return pages, table, torch.tensor(n_groups), q_start, query
+
+
+def check(layout, pages, table, num_groups, q_start, query, skip, scale=0.125):
+    want_out, want_lse = packed_attention_reference(query, q_start, pages, layout, table,
+                                                    num_groups, skip, scale)
+    n, Hq, D = query.shape
+    out = torch.full((n, Hq, D), float("nan"))
+    lse = torch.full((n, Hq), float("nan"))
+    got_out, got_lse = cpu.packed_attention(query, q_start, pages, layout, table, num_groups,
+                                            skip, scale, out=out, lse=lse)
+    assert got_out is out and got_lse is lse
+    torch.testing.assert_close(got_out, want_out, **OUT_TOL)
+    torch.testing.assert_close(got_lse, want_lse, **LSE_TOL)  # -inf where no packed key
+
+
+@pytest.mark.parametrize("scheme,params", FORMATS, ids=lambda x: str(x))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_matches_reference(scheme, params, dtype):
+    """Requests with several rows (a prefill chunk), none, a single group, a long context,
+    a context emptied by skip_tokens, and sink positions skipped inside a group."""
+    layout = layout_for(scheme, params, H=3, T=32, block_size=96, sinks=4)
+    n_groups = [5, 0, 1, 24, 1, 3]
+    q_rows = [3, 1, 1, 1, 2, 0]
+    pages, table, ng, q_start, query = random_case(layout, n_groups, q_rows, Hq=9, seed=1)
+    skip = torch.tensor([4, 0, 32, 0, 7, 0])  # request 2 skips its only group
+    check(layout, pages, table, ng, q_start, query.to(dtype), skip)
+
+
+@settings(max_examples=25, deadline=None)
+@given(scheme=st.sampled_from(["vidkv", "vidkv_stp", "kivi2"]),
+       T=st.sampled_from([16, 32, 64]), blocks_per=st.integers(1, 3),
+       heads=st.sampled_from([(1, 1), (1, 4), (2, 8), (3, 9), (4, 4)]),
+       n_groups=st.lists(st.integers(0, 12), min_size=1, max_size=5),
+       rows=st.lists(st.integers(0, 3), min_size=5, max_size=5),
+       skip=st.lists(st.integers(0, 40), min_size=5, max_size=5),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_kernel_matches_reference_random_shapes(scheme, T, blocks_per, heads, n_groups, rows,
+                                                skip, dtype, seed):
+    H, Hq = heads
+    layout = layout_for(scheme, {}, H=H, T=T, block_size=T * blocks_per)
+    R = len(n_groups)
+    pages, table, ng, q_start, query = random_case(layout, n_groups, rows[:R], Hq, seed)
+    check(layout, pages, table, ng, q_start, query.to(dtype), torch.tensor(skip[:R]))
+
+
+def test_long_context_single_request_splits():
+    """One request, one KV head: the context is split over work items and merged."""
+    layout = layout_for("vidkv", {}, H=1, T=64, block_size=128)
+    pages, table, ng, q_start, query = random_case(layout, [96], [1], Hq=3, seed=5)
+    check(layout, pages, table, ng, q_start, query, torch.tensor([0]))
+
+
+def test_rows_outside_requests_and_no_requests():
+    layout = layout_for("kivi2", {}, H=2, T=16, block_size=32)
+    pages, table, ng, _, query = random_case(layout, [3], [1], Hq=4, seed=6)
+    # 3 query rows, the only request owns row 0: rows 1-2 get 0 / -inf
+    check(layout, pages, table, ng, torch.tensor([0, 1]), torch.randn(3, 4, 64),
+          torch.tensor([0]))
+    out, lse = cpu.packed_attention(torch.randn(2, 4, 64), torch.tensor([0]), pages, layout,
+                                    torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                                    torch.zeros(0, dtype=torch.long), 0.1)
+    assert (out == 0).all() and torch.isinf(lse).all()
+
+
+def test_corrupt_masks_and_bad_tables_are_errors():
+    layout = layout_for("vidkv", {}, H=1, T=16, block_size=16)
+    pages, table, ng, q_start, query = random_case(layout, [2], [1], Hq=1, seed=7)
+    at = 0
+    for name, size in layout.key_codec.layout().fields:
+        if name == "chan_mask":
+            break
+        at += size
+    gid = table[0, 1:2]
+    state = layout.read_states(pages, gid)
+    state[..., at] ^= 1  # one channel more or less at 2 bits: the count no longer matches
+    bad = pages.clone()
+    layout.write_states(bad, gid, state)
+    with pytest.raises(RuntimeError, match="chan_mask has"):
+        cpu.packed_attention(query, q_start, bad, layout, table, ng, torch.tensor([0]), 0.1)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu.packed_attention(query, q_start, pages, layout, table + 10**6, ng, torch.tensor([0]),
+                             0.1)
+
+
+def test_dispatch_per_layout():
+    """cpp for the formats it reads, the reference for the others; a forced
+    implementation that cannot run is refused with the reason."""
+    vidkv = layout_for("vidkv", {}, H=3, T=64, block_size=128)
+    quantile = layout_for("quantile1", {}, H=3, T=64, block_size=128)
+    assert select_implementation(vidkv, "cpu")[0] == "cpp"
+    assert select_implementation(quantile, "cpu")[0] == "torch"
+    assert "QuantileCodec" in unsupported_reason("cpp", quantile, "cpu")
+    assert select_implementation(vidkv, "cpu", "torch")[1] is packed_attention_reference
+    with pytest.raises(ValueError, match="attention_impl 'cpp' cannot run .*QuantileCodec"):
+        select_implementation(quantile, "cpu", "cpp")
+    with pytest.raises(ValueError, match="'cuda' cannot run .*runs on cuda devices, not cpu"):
+        select_implementation(vidkv, "cpu", "cuda")
+    with pytest.raises(ValueError, match=r"attention_impl must be one of \('auto'"):
+        select_implementation(vidkv, "cpu", "gpu")
+
+
+def test_environment_variable_chooses(monkeypatch):
+    layout = layout_for("vidkv", {}, H=3, T=64, block_size=128)
+    monkeypatch.setenv("LOWBIT_KV_ATTENTION_IMPL", "torch")
+    assert select_implementation(layout, "cpu")[0] == "torch"
+    assert select_implementation(layout, "cpu", "cpp")[0] == "cpp"  # the config wins
+    monkeypatch.setenv("LOWBIT_KV_ATTENTION_IMPL", "fast")
+    with pytest.raises(ValueError, match="LOWBIT_KV_ATTENTION_IMPL must be one of"):
+        select_implementation(layout, "cpu")
+
+
+@pytest.mark.parametrize("scheme,sinks,obs_window", [("vidkv", 3, None), ("kivi2", 16, None),
+                                                     ("vidkv_stp", 0, 8)])
+def test_forward_layer_cpp_equals_torch(scheme, sinks, obs_window):
+    """The serving path (paged.forward_layer: packed part + exact part merged) with the
+    kernel gives the reference's outputs and writes the same bytes (STP relevance
+    included), through chunked prefill and decode of three batched requests."""
+    torch.manual_seed(11)
+    HQ, D = 9, 64
+    lens = [90, 41, 20]
+    seqs = [(rnd(L, 3, D), rnd(L, 3, D), rnd(L, HQ, D)) for L in lens]
+    schedule = [[20, 30, 3], [40, 5, 0], [3, 1, 17], [30, 1, 0]] + [[1, 1, 0]] * 8
+    runs = {}
+    for impl in ("torch", "cpp"):
+        layout, pages, staging, alloc = make(scheme, T=16, block_size=32, sinks=sinks,
+                                             q_heads=HQ if obs_window else None)
+        tables = [torch.arange(i * 8, (i + 1) * 8).flip(0) for i in range(3)]
+        fn = packed_attention_reference if impl == "torch" else cpu.packed_attention
+        _, outs = run_schedule(layout, pages, staging, alloc, seqs, tables, schedule,
+                               obs_window=obs_window, packed_attention=fn)
+        runs[impl] = (outs, pages)
+    for (_, _, _, a), (_, _, _, b) in zip(runs["torch"][0], runs["cpp"][0]):
+        torch.testing.assert_close(b, a, **OUT_TOL)
+    assert torch.equal(runs["torch"][1], runs["cpp"][1])
