@@ -360,7 +360,7 @@ def test_paged_compaction_and_decode_match_the_kept_set(scheme, sinks):
         for b in geo.freed_blocks:  # given back: whatever lands there is never read
             pages[int(table[b])] = 255
         g = torch.arange(n // PT)
-        lrp = compacted_read_plan(rp, {0: (geo.keep_from, n, table[g // 2] * 2 + g % 2)}, PT)
+        lrp = compacted_read_plan(rp, {0: (geo.keep_from, n, table[g // 2] * 2 + g % 2)}, layout)
         assert lrp.ctx_len == [n + N - geo.keep_from]
         q = torch.randn(1, PH, PD)
         out = torch.zeros(1, PH, PD)

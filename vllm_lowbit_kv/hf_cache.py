@@ -492,7 +492,8 @@ class LowBitKVCache(Cache):
             relevance = "attention" if model is not None else "keynorm"
         self.head_dim = head_dim
         # learned codec state (RVQ codebooks) must have been made for this model
-        reasons = self.scheme.check_model(ModelIdentity.from_hf_config(model_config))
+        reasons = self.scheme.check_model(ModelIdentity.from_hf_config(model_config)) \
+            if self.scheme else []
         if reasons:
             raise ValueError(f"scheme {self.scheme.name}: " + "; ".join(reasons))
         layers = []

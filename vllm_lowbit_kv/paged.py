@@ -267,6 +267,26 @@ def _empty_write_plan() -> WritePlan:
     return WritePlan(*([_EMPTY] * 14))
 
 
+def make_read_plan(page_gids: torch.Tensor, page_start: list[int], tail_slot: list[int],
+                   ctx_len: list[int], query_start: list[int], first_block: list[int], T: int,
+                   sink_tokens: int) -> ReadPlan:
+    """A :class:`ReadPlan` from each request's groups, tail and context length: adds the
+    packed-attention table (ops contract) and the batched exact parts."""
+    R = len(ctx_len)
+    num_groups = torch.tensor(page_start[1:], dtype=torch.long) - torch.tensor(
+        page_start[:-1], dtype=torch.long)
+    table = torch.zeros(R, int(num_groups.max()) if R else 0, dtype=torch.long)
+    if page_gids.numel():
+        req = torch.repeat_interleave(torch.arange(R), num_groups)
+        col = torch.arange(page_gids.numel()) - torch.tensor(page_start[:-1])[req]
+        table[req, col] = page_gids
+    skip = torch.clamp(num_groups * T, max=sink_tokens)
+    exact = plan_exact(query_start, ctx_len, skip.tolist(), tail_slot, first_block, T)
+    return ReadPlan(page_gids, list(page_start), list(tail_slot), list(ctx_len), list(query_start),
+                    list(first_block), table, num_groups, skip,
+                    torch.tensor(query_start, dtype=torch.long), exact)
+
+
 class StagingAllocator:
     """Maps incomplete groups (gid) to staging slots; bookkeeping only, on the CPU.
 
@@ -367,18 +387,8 @@ class StagingAllocator:
             page_start.append(page_start[-1] + n_enc)
             ctx_lens.append(ctx)
         page_gids = torch.cat(gids) if gids else _EMPTY
-        R = len(seq_lens)
-        num_groups = torch.tensor(page_start[1:], dtype=torch.long) - torch.tensor(
-            page_start[:-1], dtype=torch.long)
-        table = torch.zeros(R, int(num_groups.max()) if R else 0, dtype=torch.long)
-        if page_gids.numel():
-            req = torch.repeat_interleave(torch.arange(R), num_groups)
-            col = torch.arange(page_gids.numel()) - torch.tensor(page_start[:-1])[req]
-            table[req, col] = page_gids
-        skip = torch.clamp(num_groups * T, max=self.sink_tokens)
-        exact = plan_exact(query_start, ctx_lens, skip.tolist(), tail, first, T)
-        return ReadPlan(page_gids, page_start, tail, ctx_lens, list(query_start), first, table,
-                        num_groups, skip, torch.tensor(query_start, dtype=torch.long), exact)
+        return make_read_plan(page_gids, page_start, tail, ctx_lens, query_start, first, T,
+                              self.sink_tokens)
 
     def plan_writes(self, slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
                     req: torch.Tensor | None = None, first_block: torch.Tensor | None = None

@@ -307,8 +307,7 @@ class LowBitKVMetadata:
         if not self.compacted:
             return self.read
         from .vllm_eviction import layer_read_plan
-        return layer_read_plan(self.read, self.compacted, layer_name, self.block_table,
-                               layout.groups_per_block, layout.T)
+        return layer_read_plan(self.read, self.compacted, layer_name, self.block_table, layout)
 
 
 #: every live builder's allocator, told about ended requests by the runner hook

@@ -168,9 +168,9 @@ def compacted_rows(block_table: torch.Tensor, num_reqs: int) -> dict[int, tuple[
     return {r: _COMPACTED[b] for r, b in enumerate(first) if b in _COMPACTED}
 
 
-def layer_read_plan(read, rows: dict, layer_name: str, block_table: torch.Tensor,
-                    groups_per_block: int, T: int):
+def layer_read_plan(read, rows: dict, layer_name: str, block_table: torch.Tensor, layout):
     """The read plan of one layer given the step's compacted rows."""
+    T, groups_per_block = layout.T, layout.groups_per_block
     per_row = {}
     for r, (keep_from, kept) in rows.items():
         n = kept[layer_name]
@@ -178,7 +178,7 @@ def layer_read_plan(read, rows: dict, layer_name: str, block_table: torch.Tensor
         blocks = block_table[r].to("cpu", torch.long)
         per_row[r] = (keep_from, n, blocks[g // groups_per_block] * groups_per_block
                       + g % groups_per_block)
-    return compacted_read_plan(read, per_row, T)
+    return compacted_read_plan(read, per_row, layout)
 
 
 # ----------------------------------------------------------------------------- start-up

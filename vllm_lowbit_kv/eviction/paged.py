@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs.base import require
-from ..paged import PagedLayout, ReadPlan, Staging
+from ..paged import PagedLayout, ReadPlan, Staging, make_read_plan
 from .policies import EvictionPolicy
 
 __all__ = ["PagedEvictionGeometry", "paged_geometry", "request_context", "write_compacted",
@@ -147,11 +147,12 @@ def compact_request(geo: PagedEvictionGeometry, policy: EvictionPolicy,
     return kept_lens
 
 
-def compacted_read_plan(read: ReadPlan, rows: dict[int, tuple[int, int, torch.Tensor]], T: int
-                        ) -> ReadPlan:
+def compacted_read_plan(read: ReadPlan, rows: dict[int, tuple[int, int, torch.Tensor]],
+                        layout: PagedLayout) -> ReadPlan:
     """One layer's read plan: ``read`` with each compacted row ``r -> (keep_from, kept_len,
     kept_gids)`` reading its ``kept_len`` compacted pairs (groups ``kept_gids``) and then its
     groups from ``keep_from`` on."""
+    T = layout.T
     gids, start, ctx_len = [], [0], list(read.ctx_len)
     for r in range(len(read.ctx_len)):
         seg = read.page_gids[read.page_start[r]:read.page_start[r + 1]]
@@ -164,5 +165,5 @@ def compacted_read_plan(read: ReadPlan, rows: dict[int, tuple[int, int, torch.Te
         gids.append(seg)
         start.append(start[-1] + seg.numel())
     page_gids = torch.cat(gids) if gids else read.page_gids
-    return ReadPlan(page_gids, start, list(read.tail_slot), ctx_len, list(read.q_start),
-                    list(read.first_block))
+    return make_read_plan(page_gids, start, read.tail_slot, ctx_len, read.q_start,
+                          read.first_block, T, layout.sink_tokens)
