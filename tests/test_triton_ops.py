@@ -17,7 +17,6 @@ values) must have identical codes except at elements within float32 rounding
 of their threshold, and levels within one fp16 step (triton_ops.store).
 """
 
-import importlib
 import os
 import subprocess
 import sys
@@ -26,23 +25,31 @@ import pytest
 import torch
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-if not ON_GPU:
+if not ON_GPU:  # tests/conftest.py sets it before anything imports triton
     os.environ["TRITON_INTERPRET"] = "1"
 
+import triton  # noqa: E402
 import triton_ops  # noqa: E402
-from triton_ops import _jit, attention, store  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton_ops.attention import _row_tiles  # noqa: E402
 from vllm_lowbit_kv.codecs.vidkv import rfft_unique  # noqa: E402
 from vllm_lowbit_kv.ops import packed_attention_reference  # noqa: E402
 from vllm_lowbit_kv.paged import PagedLayout  # noqa: E402
 from vllm_lowbit_kv.schemes import get_scheme  # noqa: E402
 
-if not ON_GPU and not hasattr(attention._attention_kernel, "interpreter_builder"):
-    # triton_ops was imported earlier in this process without TRITON_INTERPRET:
-    # re-create its kernels as interpreted functions (decided when they are defined)
-    for mod in (_jit, store, attention):
-        importlib.reload(mod)
-    importlib.reload(triton_ops)
+if not ON_GPU and not isinstance(triton.language.sum, InterpretedFunction):
+    raise RuntimeError(
+        "triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run "
+        "in the interpreter; run through tests/conftest.py (pytest) or set TRITON_INTERPRET=1")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_while_testing(monkeypatch):
+    """The interpreter also reads TRITON_INTERPRET while it runs (conftest drops it after
+    collection so that servers started by other tests do not inherit it)."""
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 on_device = pytest.mark.gpu if ON_GPU else (lambda test: test)  # gpu: skipped without CUDA

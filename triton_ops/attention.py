@@ -48,6 +48,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from vllm_lowbit_kv.codecs.base import require
 
@@ -388,7 +389,8 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
         o, s_os, Hq * D, D, ls, s_ls, Hq,
         float(scale) * LOG2E, per_split,
         G=G, BR=rows_per_tile, BLOCK_M=max(16, triton.next_power_of_2(rows_per_tile * G)),
-        MMA_BF16=not triton.knobs.runtime.interpret, num_warps=ATTN_WARPS, **consts)
+        MMA_BF16=not isinstance(_attention_kernel, InterpretedFunction), num_warps=ATTN_WARPS,
+        **consts)
     if splits > 1:
         _jit.launch(_combine_kernel, (n * Hq,), o, ls, out, lse, splits, o.stride(0),
                     ls.stride(0), D=D, SP=triton.next_power_of_2(splits))

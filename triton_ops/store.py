@@ -33,8 +33,9 @@ Agreement with the reference codecs (tests/test_triton_ops.py checks each):
   float32 rounding.
 
 Inputs must be finite and within the fp16 range, as the codecs require;
-``validate=True`` (default) checks it with one reduction and raises the
-codecs' error (a host sync: pass False where the caller guarantees it).
+``validate=True`` (default) checks it, and that every gid lies in the pages,
+and raises the codecs' error (host syncs: pass False where the caller
+guarantees both).
 """
 
 from __future__ import annotations
@@ -372,6 +373,10 @@ def quantize_and_store(k: torch.Tensor, v: torch.Tensor, gids: torch.Tensor, pag
                 raise ValueError(
                     "KV block contains NaN, Inf or a magnitude above 65504 (the fp16 metadata "
                     "range); refusing to encode it rather than store a wrong value")
+    if validate:
+        n_groups = flat.shape[0] * fmt.groups_per_block
+        require(bool(((gids >= 0) & (gids < n_groups)).all()), "gids",
+                f"group ids in [0, {n_groups}) (num_blocks * groups_per_block)", gids.tolist())
     use_rel = fmt.val_kind == VAL_TERNARY and fmt.n_protect > 0 and relevance is not None
     if use_rel:
         require(tuple(relevance.shape) == (E, T, H), "relevance.shape", f"({E}, {T}, {H})",
