@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from vllm_lowbit_kv.codecs import (DynamicCodec, KiviCodec, QuantileCodec, TernaryValueCodec,
-                                   VidKVKeyCodec)
+from vllm_lowbit_kv.codecs import (DynamicCodec, KiviCodec, QuantileCodec, RVQKeyCodec, RVQValueCodec,
+                                   TernaryValueCodec, VidKVKeyCodec)
 
-CODECS = [KiviCodec, QuantileCodec, DynamicCodec, VidKVKeyCodec, TernaryValueCodec]
+CODECS = [KiviCodec, QuantileCodec, DynamicCodec, VidKVKeyCodec, TernaryValueCodec, RVQKeyCodec,
+          RVQValueCodec]
 
 
 @pytest.mark.parametrize("cls", CODECS, ids=lambda c: c.__name__)

