@@ -172,6 +172,48 @@ def test_sinks_survive_prefix_caching():
     assert wp.sink_tok.numel() == 0  # B wrote no sinks: they came from the cached page
 
 
+@pytest.mark.parametrize("scheme,sinks,obs_window", [("vidkv", 4, None), ("vidkv_stp", 0, 8)])
+def test_same_step_prefix_hit_reads_what_its_writer_encodes(scheme, sinks, obs_window):
+    """vLLM caches a block when it is scheduled, so request B can hit blocks that request
+    A fills in the same step: B must read them encoded (and its STP relevance must see
+    them), exactly as if B had run one step later."""
+    torch.manual_seed(2)
+    T = 16
+
+    def run(together: bool):
+        layout, pages, staging, alloc = make(scheme, T=T, sinks=sinks,
+                                             q_heads=HQ if obs_window else None)
+        bs = layout.block_size
+        gen = torch.Generator().manual_seed(3)
+        k, v, q = (torch.randn(2 * bs + T, h, D, generator=gen).bfloat16().float()
+                   for h in (H, H, HQ))
+        a, b = slice(0, 2 * bs), slice(2 * bs, 2 * bs + T)  # A's prompt; B's fresh group
+        steps = [dict(slots=torch.cat([3 * bs + torch.arange(bs), 9 * bs + torch.arange(bs)]),
+                      seq_lens=[2 * bs], rows=a, table=[[3, 9, 0]]),
+                 dict(slots=11 * bs + torch.arange(T), seq_lens=[2 * bs + T], rows=b,
+                      table=[[3, 9, 11]])]
+        if together:
+            steps = [dict(slots=torch.cat([s["slots"] for s in steps]),
+                          seq_lens=steps[0]["seq_lens"] + steps[1]["seq_lens"],
+                          rows=slice(0, 2 * bs + T), table=[[3, 9, 0], [3, 9, 11]])]
+        outs = []
+        for st in steps:
+            n = st["rows"].stop - st["rows"].start
+            q_start = [0] + [2 * bs] * (len(st["seq_lens"]) == 2) + [n]
+            wp, rp = alloc.plan_step(st["slots"], st["seq_lens"], q_start,
+                                     torch.tensor(st["table"]), layout.groups_per_block)
+            out = torch.full((n, HQ, D), float("nan"))
+            forward_layer(wp, rp, layout, q[st["rows"]], k[st["rows"]], v[st["rows"]], pages,
+                          staging, D ** -0.5, out, obs_window)
+            outs.append(out)
+        return torch.cat(outs), pages
+
+    out_together, pages_together = run(together=True)
+    out_apart, pages_apart = run(together=False)
+    assert torch.equal(pages_together, pages_apart)
+    torch.testing.assert_close(out_together, out_apart, atol=1e-5, rtol=0)
+
+
 def test_attention_mass_matches_hf_definition():
     torch.manual_seed(2)
     layer = LowBitLayer(0, *get_scheme("vidkv_stp").codecs(D, 16), 16, relevance="attention",

@@ -1,13 +1,13 @@
-"""Known bug, kept visible: a prefix-cache hit on a block written in the same step.
+"""A prefix-cache hit on a block written in the same step, through the real server.
 
 vLLM commits blocks to its prefix cache when they are scheduled to be filled,
 so a request scheduled later in the same step can hit a block an earlier one is
-still writing; our backend attends before it writes (docs/vllm_integration.md,
-"Known bug"). Three identical ~400-token prompts at once on a fresh server with
-256-token prefill chunks: the second and third hit the block the first fills
-in its second chunk. Today the vidkv engine stops ("corrupt block"); strict
-xfail, so the fix turns this test red until the marker goes.
-It needs its own server: the failure kills the engine.
+still writing (docs/vllm_integration.md, "Same-step prefix-cache hits"). Three
+identical ~400-token prompts at once, new to the server's cache, with 256-token
+prefill chunks: the second and third hit the block the first fills in its second
+chunk. Before paged.forward_layer encoded completed groups ahead of attention,
+this stopped the engine ("corrupt block"); tests/test_paged.py checks the same at
+the page level, byte for byte.
 """
 
 from __future__ import annotations
@@ -20,30 +20,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from _servers import COMMON, LOWBIT, NUM_BLOCKS, long_prompt, model_name, post, start_server  # noqa: E402
-
-pytestmark = pytest.mark.slow
+from _servers import long_prompt, model_name, post  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def fresh_server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("same_step")
-    cfg = tmp / "lowbit.json"
-    cfg.write_text(json.dumps(LOWBIT))
-    s = start_server(tmp, "vidkv_same_step", ["--kv-cache-dtype", "vidkv", "--lowbit-config", str(cfg),
-                                              "--num-gpu-blocks-override", str(NUM_BLOCKS), *COMMON])
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
-
-
-@pytest.mark.xfail(strict=True, reason="same-step prefix-cache hits read unwritten pages "
-                   "(paged.forward_layer attends before it writes)")
-def test_identical_prompts_at_once_on_a_cold_prefix_cache(fresh_server):
-    port = fresh_server.port
+def test_identical_prompts_at_once_on_a_cold_prefix_cache(server):
+    port = server.port
     model = model_name(port)
-    ids = post(port, "/tokenize", {"model": model, "prompt": long_prompt(7)})["tokens"][:400]
+    ids = post(port, "/tokenize", {"model": model, "prompt": long_prompt(41)})["tokens"][:400]
     status = [None] * 3
 
     def run(i):
@@ -59,4 +42,4 @@ def test_identical_prompts_at_once_on_a_cold_prefix_cache(fresh_server):
     for t in threads:
         t.join(300)
     assert status == [200, 200, 200]
-    assert fresh_server.alive and "corrupt block" not in fresh_server.log.read_text()
+    assert server.alive and "corrupt block" not in server.log.read_text()

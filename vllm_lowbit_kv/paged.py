@@ -500,43 +500,64 @@ class Staging:
 def apply_writes(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value: torch.Tensor,
                  pages: torch.Tensor, staging: Staging, relevance: torch.Tensor | None = None,
                  query: torch.Tensor | None = None) -> None:
-    """Write one layer's fresh K/V [tokens, H, D]: encode completed groups, stage the rest,
-    copy sink tokens into their sink areas. ``relevance`` [E, T, H] for the completed
-    groups (STP); ``query`` [tokens, Hq, D] is staged too when ``staging.q`` exists.
+    """Write one layer's fresh K/V [tokens, H, D]: encode completed groups and copy sink
+    tokens into their sink areas (:func:`encode_groups`), then stage the rest
+    (:func:`stage_tokens`). ``relevance`` [E, T, H] for the completed groups (STP);
+    ``query`` [tokens, Hq, D] is staged too when ``staging.q`` exists."""
+    encode_groups(plan, layout, key, value, pages, staging, relevance)
+    stage_tokens(plan, key, value, staging, query)
 
-    Completed groups are encoded first: they read staging slots that this very
-    step may hand to a new group.
+
+def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value: torch.Tensor,
+                  pages: torch.Tensor, staging: Staging, relevance: torch.Tensor | None = None,
+                  rows: torch.Tensor | None = None) -> None:
+    """Encode the completed groups ``rows`` (indices into ``plan.enc_gids``, default all;
+    ``relevance`` [E, T, H] is indexed the same way) into their pages, and, with all
+    rows, write the step's sink tokens into their sink areas.
+
+    Runs before :func:`stage_tokens` of the same step: completed groups read their
+    earlier tokens from staging slots that this very step may hand to a new group.
     """
     E = plan.enc_gids.numel()
-    if E:
-        T, H, D = layout.T, layout.H, layout.D
-        tk = torch.zeros(E, T, H, D, dtype=torch.float32)
-        tv = torch.zeros_like(tk)
-        has = plan.enc_src_slot >= 0
-        if bool(has.any()):
-            rows, src = torch.nonzero(has).flatten(), plan.enc_src_slot[has]
-            tk[rows] = staging.k[src].float()
-            tv[rows] = staging.v[src].float()
-        tk[plan.enc_row, plan.enc_off] = key[plan.enc_tok].float()
-        tv[plan.enc_row, plan.enc_off] = value[plan.enc_tok].float()
-        if plan.enc_sink.numel() and bool((plan.enc_sink > 0).any()):
-            relevance = None if relevance is None else relevance.clone()
-            for e in torch.nonzero(plan.enc_sink > 0).flatten().tolist():
-                s = int(plan.enc_sink[e])
-                if s < T:  # sink rows take the mean of the others: no effect on the stats
-                    tk[e, :s] = tk[e, s:].mean(0)
-                    tv[e, :s] = tv[e, s:].mean(0)
-                if relevance is not None:
-                    relevance[e, :s] = SINK_RELEVANCE
-        layout.write_states(pages, plan.enc_gids, layout.encode(tk, tv, relevance))
+    if rows is None and plan.sink_tok.numel():
+        layout.write_sinks(pages, plan.sink_block, plan.sink_pos, key[plan.sink_tok],
+                           value[plan.sink_tok])
+    if E == 0 or (rows is not None and rows.numel() == 0):
+        return
+    T, H, D = layout.T, layout.H, layout.D
+    tk = torch.zeros(E, T, H, D, dtype=torch.float32)
+    tv = torch.zeros_like(tk)
+    has = plan.enc_src_slot >= 0
+    if bool(has.any()):
+        src_rows, src = torch.nonzero(has).flatten(), plan.enc_src_slot[has]
+        tk[src_rows] = staging.k[src].float()
+        tv[src_rows] = staging.v[src].float()
+    tk[plan.enc_row, plan.enc_off] = key[plan.enc_tok].float()
+    tv[plan.enc_row, plan.enc_off] = value[plan.enc_tok].float()
+    if plan.enc_sink.numel() and bool((plan.enc_sink > 0).any()):
+        relevance = None if relevance is None else relevance.clone()
+        for e in torch.nonzero(plan.enc_sink > 0).flatten().tolist():
+            s = int(plan.enc_sink[e])
+            if s < T:  # sink rows take the mean of the others: no effect on the stats
+                tk[e, :s] = tk[e, s:].mean(0)
+                tv[e, :s] = tv[e, s:].mean(0)
+            if relevance is not None:
+                relevance[e, :s] = SINK_RELEVANCE
+    if rows is not None:
+        tk, tv = tk[rows], tv[rows]
+        relevance = None if relevance is None else relevance[rows]
+    gids = plan.enc_gids if rows is None else plan.enc_gids[rows]
+    layout.write_states(pages, gids, layout.encode(tk, tv, relevance))
+
+
+def stage_tokens(plan: WritePlan, key: torch.Tensor, value: torch.Tensor, staging: Staging,
+                 query: torch.Tensor | None = None) -> None:
+    """Copy the fresh tokens of groups still incomplete into their staging slots."""
     if plan.stage_tok.numel():
         staging.k[plan.stage_slot, plan.stage_off] = key[plan.stage_tok].to(staging.k.dtype)
         staging.v[plan.stage_slot, plan.stage_off] = value[plan.stage_tok].to(staging.v.dtype)
         if staging.q is not None and query is not None:
             staging.q[plan.stage_slot, plan.stage_off] = query[plan.stage_tok].to(staging.q.dtype)
-    if plan.sink_tok.numel():
-        layout.write_sinks(pages, plan.sink_block, plan.sink_pos, key[plan.sink_tok],
-                           value[plan.sink_tok])
 
 
 def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, scale: float
@@ -670,10 +691,19 @@ def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query:
                   key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, staging: Staging,
                   scale: float, out: torch.Tensor, obs_window: int | None = None,
                   packed_attention=None) -> None:
-    """One layer, one step: every request attends to its context (pages + staged tail
-    + sinks, as stored before this step) and its fresh tokens in full precision; then
-    the fresh tokens are written (:func:`apply_writes`), with STP relevance when
-    ``obs_window`` is given and the codecs use it. Writes ``out[:tokens]``.
+    """One layer, one step: encode the groups this step completes (with STP relevance
+    when ``obs_window`` is given and the codecs use it) and write sink tokens; then every
+    request attends to its context (pages + staged tail + sinks) and its fresh tokens in
+    full precision; then the fresh tokens of incomplete groups are staged. Writes
+    ``out[:tokens]``.
+
+    Pages are written before anyone reads them because vLLM's prefix cache can hand a
+    request, in the same step, a block another request is filling (blocks are cached
+    when scheduled): the reader must see it encoded. A request's own completed groups
+    are never in its context, and staging is written last, so writing first changes
+    nothing for the writer. Relevance is computed from the context as stored, so a
+    request reading another's completed groups has its own encoded after them
+    (:func:`_encode_in_dependency_order`).
 
     The packed groups go through ``packed_attention`` (an implementation of the
     contract of :mod:`vllm_lowbit_kv.ops`, default its PyTorch reference), which reads
@@ -683,15 +713,9 @@ def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query:
     over every key)."""
     from .ops import merge_attention, packed_attention_reference
 
-    T = layout.T
     n = rplan.q_start[-1]
-    want_rel = obs_window is not None and wplan.enc_gids.numel() > 0
-    rel = None
-    if want_rel:
-        require(staging.q is not None, "staging.q", "allocated for relevance", None)
-        rel = torch.zeros(wplan.enc_gids.numel(), T, layout.H)
-        enc_req = wplan.enc_req.tolist()
-        require(min(enc_req) >= 0, "WritePlan.enc_req", "known for relevance", enc_req)
+    _encode_in_dependency_order(wplan, rplan, layout, query, key, value, pages, staging, scale,
+                                obs_window)
     if n:
         res, res_lse = exact_attention(rplan, layout, query[:n], key, value, pages, staging,
                                        scale)
@@ -701,24 +725,63 @@ def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query:
                 rplan.skip_tokens, scale)
             res, _ = merge_attention(p_out, p_lse, res, res_lse)
         out[:n] = res.to(out.dtype)
-    if want_rel:
-        for r in sorted(set(enc_req)):
-            qs, qe, ctx = rplan.q_start[r], rplan.q_start[r + 1], rplan.ctx_len[r]
-            k_all = torch.cat([context_keys(rplan, r, layout, pages, staging),
-                               key[qs:qe].float()])
-            p = ctx + (qe - qs) - 1  # last position written in this step
-            w0 = max(0, p - obs_window + 1)
-            qw = [query[qs + max(0, w0 - ctx):qe]]
-            if w0 < ctx:  # earlier queries of the window: staged with the partial group
-                gstart = ctx - ctx % T
-                require(w0 >= gstart and rplan.tail_slot[r] >= 0, "obs_window",
-                        f"<= block_tokens ({T})", obs_window)
-                qw.insert(0, staging.q[rplan.tail_slot[r], w0 - gstart:ctx - gstart])
-            mass = attention_mass(torch.cat(qw), w0, k_all, scale)  # [S, H]
-            for e in (i for i, rr in enumerate(enc_req) if rr == r):
-                s0 = int(wplan.enc_start[e])
-                rel[e] = mass[s0:s0 + T]
-    apply_writes(wplan, layout, key, value, pages, staging, rel, query)
+    stage_tokens(wplan, key, value, staging, query)
+
+
+def _encode_in_dependency_order(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout,
+                                query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                pages: torch.Tensor, staging: Staging, scale: float,
+                                obs_window: int | None) -> None:
+    """Encode the step's completed groups. Without relevance: all at once. With it, in
+    waves: a request's groups once every completed group its context reads is encoded
+    (a same-step prefix-cache hit reads groups its writer completes in this step)."""
+    E = wplan.enc_gids.numel()
+    if obs_window is None or E == 0:
+        encode_groups(wplan, layout, key, value, pages, staging)
+        return
+    require(staging.q is not None, "staging.q", "allocated for relevance", None)
+    enc_req = wplan.enc_req
+    require(bool((enc_req >= 0).all()), "WritePlan.enc_req", "known for relevance",
+            enc_req.tolist())
+    rel = torch.zeros(E, layout.T, layout.H)
+    encode_groups(wplan, layout, key, value, pages, staging, rows=_EMPTY)  # sinks only
+    done = torch.zeros(E, dtype=torch.bool)
+    while not bool(done.all()):
+        pending = wplan.enc_gids[~done]
+        ready = [r for r in sorted(set(enc_req[~done].tolist()))
+                 if not bool(torch.isin(rplan.page_gids[rplan.page_start[r]:rplan.page_start[r + 1]],
+                                        pending).any())]
+        if not ready:
+            raise RuntimeError("lowbit-kv: completed groups read each other in one step; "
+                               "refusing to encode with relevance from unwritten pages")
+        for r in ready:
+            _fill_relevance(rel, r, wplan, rplan, layout, query, key, pages, staging, scale,
+                            obs_window)
+        wave = ~done & torch.isin(enc_req, torch.tensor(ready))
+        encode_groups(wplan, layout, key, value, pages, staging, rel, torch.nonzero(wave).flatten())
+        done |= wave
+
+
+def _fill_relevance(rel: torch.Tensor, r: int, wplan: WritePlan, rplan: ReadPlan,
+                    layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
+                    pages: torch.Tensor, staging: Staging, scale: float, obs_window: int) -> None:
+    """``rel`` rows of request r's completed groups: the attention mass its observation
+    window puts on each of their tokens."""
+    T = layout.T
+    qs, qe, ctx = rplan.q_start[r], rplan.q_start[r + 1], rplan.ctx_len[r]
+    k_all = torch.cat([context_keys(rplan, r, layout, pages, staging), key[qs:qe].float()])
+    p = ctx + (qe - qs) - 1  # last position written in this step
+    w0 = max(0, p - obs_window + 1)
+    qw = [query[qs + max(0, w0 - ctx):qe]]
+    if w0 < ctx:  # earlier queries of the window: staged with the partial group
+        gstart = ctx - ctx % T
+        require(w0 >= gstart and rplan.tail_slot[r] >= 0, "obs_window",
+                f"<= block_tokens ({T})", obs_window)
+        qw.insert(0, staging.q[rplan.tail_slot[r], w0 - gstart:ctx - gstart])
+    mass = attention_mass(torch.cat(qw), w0, k_all, scale)  # [S, H]
+    for e in torch.nonzero(wplan.enc_req == r).flatten().tolist():
+        s0 = int(wplan.enc_start[e])
+        rel[e] = mass[s0:s0 + T]
 
 
 def paged_attention(plan: ReadPlan, layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
