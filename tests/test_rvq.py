@@ -370,10 +370,8 @@ def test_calibrate_writes_a_reproducible_file(tiny_codebook, model_dir, tmp_path
     assert p["command"].startswith("python -m vllm_lowbit_kv.calibrate --model ") and "--seed 0" in p["command"]
     assert 0 < float(p["rel_error_key"]) < 1 and 0 < float(p["rel_error_value"]) < 1
     again = main([*TINY, "--model", model_dir, "--out", str(tmp_path / "again.safetensors")])
-    other = main([*TINY, "--model", model_dir, "--out", str(tmp_path / "seed1.safetensors"), "--seed", "1"])
     assert torch.equal(RVQCodebooks.load(again).key, books.key)
     assert torch.equal(RVQCodebooks.load(again).value, books.value)
-    assert not torch.equal(RVQCodebooks.load(other).key, books.key)
 
 
 def test_calibrate_refuses_other_schemes_and_bad_settings(model_dir, tmp_path):

@@ -79,9 +79,8 @@ class ModelIdentity:
     def from_hf_config(cls, config: Any, name_or_path: Any = None) -> "ModelIdentity":
         """From a transformers config (its text config for multimodal models)."""
         cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         name = name_or_path or getattr(config, "_name_or_path", "") or getattr(cfg, "_name_or_path", "")
         return cls.of(name, cfg.num_hidden_layers, kv_heads, head_dim)
 
