@@ -34,6 +34,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -81,15 +85,21 @@ inline vf splat(float x) { return vf{} + x; }
 inline vi iota() { vi v; for (int l = 0; l < L; ++l) v[l] = l; return v; }
 inline int round_up(int x) { return (x + L - 1) / L * L; }
 
+// horizontal max / sum by halving (log2(L) shuffles instead of a chain of L - 1 ops)
+inline vf swap_halves(vf v, int half) {
+  vi idx = iota() ^ half;
+  return __builtin_shuffle(v, idx);
+}
 inline float hmax(vf v) {
-  float m = v[0];
-  for (int l = 1; l < L; ++l) m = std::max(m, v[l]);
-  return m;
+  for (int half = L / 2; half; half /= 2) {
+    const vf w = swap_halves(v, half);
+    v = v > w ? v : w;
+  }
+  return v[0];
 }
 inline float hsum(vf v) {
-  float s = 0.f;
-  for (int l = 0; l < L; ++l) s += v[l];
-  return s;
+  for (int half = L / 2; half; half /= 2) v += swap_halves(v, half);
+  return v[0];
 }
 
 // exp(x) for softmax arguments (x <= 0 or -inf): Cody-Waite range reduction and a
@@ -139,15 +149,15 @@ void decode_codes(const uint8_t* src, int64_t bytes, int64_t count, int bits, fl
   }
 }
 
-// Byte -> its five trits (base 3, value - 1) as floats; rows of 8 so one 32-byte copy
-// writes a byte's trits (the extra lanes are overwritten by the next byte).
+// Byte -> its five trits (base 3, value - 1); rows of 8 so one 8-byte copy writes a
+// byte's trits (the extra lanes are overwritten by the next byte).
 struct TritTable {
-  alignas(64) float v[256][8];
+  alignas(64) int8_t v[256][8];
   TritTable() {
     for (int b = 0; b < 256; ++b) {
       int x = b;
       for (int i = 0; i < 8; ++i) {
-        v[b][i] = i < 5 ? float(x % 3 - 1) : 0.f;
+        v[b][i] = int8_t(i < 5 ? x % 3 - 1 : 0);
         if (i < 5) x /= 3;
       }
     }
@@ -158,10 +168,10 @@ const TritTable& trit_table() {
   return table;
 }
 
-// n trits -> floats in {-1, 0, 1}; dst holds n + 8 floats
-inline void decode_trits(const uint8_t* src, int n, float* dst) {
+// n trits -> int8 in {-1, 0, 1}; dst holds n + 8 bytes
+inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
   const TritTable& t = trit_table();
-  for (int i = 0; i < (n + 4) / 5; ++i) std::memcpy(dst + 5 * i, t.v[src[i]], 32);
+  for (int i = 0; i < (n + 4) / 5; ++i) std::memcpy(dst + 5 * i, t.v[src[i]], 8);
 }
 
 // Rows [0, n) of J b-bit codes (rows back to back in the stream) -> W = ceil(J b / 32)
@@ -220,8 +230,23 @@ void column_scores(const uint32_t* words, int W, int TP, int J, int bits, const 
 
 // acc_w[m * D + c] = sum_i p[m * TP + pos[i]] x[i * D + c] for MB query vectors from m0,
 // psum[m] = sum_i p[m * TP + pos[i]]; vectorized over 16 channels, sums in registers.
-template <int MB>
-void row_sums(const float* x, const int* pos, int rows, int D, const float* p, int TP,
+inline vf load_row(const float* x) { return loadf(x); }
+// 16 int8 -> floats (GCC's generic conversion of byte vectors is scalarized)
+inline vf load_row(const int8_t* x) {
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)x)));
+  vf out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+#else
+  vf out;
+  for (int l = 0; l < L; ++l) out[l] = float(x[l]);
+  return out;
+#endif
+}
+
+template <int MB, typename X>
+void row_sums(const X* x, const int* pos, int rows, int D, const float* p, int TP,
               float* acc_w, float* psum, int m0) {
   for (int m = 0; m < MB; ++m) {
     float s = 0.f;
@@ -231,7 +256,7 @@ void row_sums(const float* x, const int* pos, int rows, int D, const float* p, i
   for (int c0 = 0; c0 < D; c0 += L) {
     vf acc[MB] = {};
     for (int i = 0; i < rows; ++i) {
-      const vf xv = loadf(x + i * D + c0);
+      const vf xv = load_row(x + i * D + c0);
       for (int m = 0; m < MB; ++m) acc[m] += xv * p[(m0 + m) * TP + pos[i]];
     }
     for (int m = 0; m < MB; ++m) storef(acc_w + (m0 + m) * D + c0, acc[m]);
@@ -423,7 +448,8 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
 
 // -- values: acc[m * D + c] += sum_t p[m * TP + t] v_tc -------------------------------------
 // acc += a[c] * (sum_i p_i x_ic) + b[c] * (sum_i p_i) over the given rows of x
-void accumulate(const float* x, const int* pos, int rows, const float* p, int M, int D, int TP,
+template <typename X>
+void accumulate(const X* x, const int* pos, int rows, const float* p, int M, int D, int TP,
                 const float* a, const float* b, float* acc, Scratch& s) {
   LOWBIT_FOR_BLOCKS(M, row_sums, x, pos, rows, D, p, TP, s.w.data(), s.psum.data())
   for (int m = 0; m < M; ++m) {
@@ -488,8 +514,9 @@ void accumulate_values(const Format& f, const uint8_t* sv, const float* p, int M
     accumulate(x, pos, np, p, M, D, TP, scale, zero, acc, s);
   }
   halves_to_float(sv + d[TV_ALPHA], D, scale);
-  decode_trits(sv + d[TV_TRITS], n * D, x);
-  accumulate(x, pos + np, n, p, M, D, TP, scale, nullptr, acc, s);
+  int8_t* trits = reinterpret_cast<int8_t*>(x);
+  decode_trits(sv + d[TV_TRITS], n * D, trits);
+  accumulate(trits, pos + np, n, p, M, D, TP, scale, nullptr, acc, s);
 }
 
 // -- one work item: request r, KV head h, its groups [g_lo, g_hi) -----------------------
