@@ -156,8 +156,9 @@ def _compact(geo: PagedEvictionGeometry, policy, T: int, layers, block_ids, buil
     if geo.prompt_tokens % T:  # the prompt's partial group, staged
         Ng = builder.layout.groups_per_block
         slot = builder.alloc.slot_of.get(int(block_ids[n_enc // Ng]) * Ng + n_enc % Ng, -1)
-    return compact_request(geo, policy, [(layer.impl._layout_for(layer.kv_cache), layer.kv_cache,
-                                          layer.impl.staging) for layer in layers], block_ids, slot)
+    return compact_request(geo, policy,
+                           [(layer.impl._layout_for(layer.kv_cache, layer.layer_name), layer.kv_cache,
+                             layer.impl.staging) for layer in layers], block_ids, slot)
 
 
 def compacted_rows(block_table: torch.Tensor, num_reqs: int) -> dict[int, tuple[int, dict[str, int]]]:
