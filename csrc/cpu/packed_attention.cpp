@@ -340,13 +340,23 @@ void row_sums(const X* x, const int* pos, int rows, int D, const float* p, int T
       psum[m0 + m] = (s[0] + s[1]) + (s[2] + s[3]);
     }
   }
-  for (int c0 = 0; c0 < D; c0 += L) {
-    vf acc[MB] = {};
+  // blocks of up to 4 vectors of channels: each probability is loaded once per block
+  constexpr int CB = 4;
+  for (int c0 = 0; c0 < D; c0 += CB * L) {
+    const int nv = std::min(CB, (D - c0) / L);
+    vf acc[MB][CB] = {};
     for (int i = 0; i < rows; ++i) {
-      const vf xv = load_row(x + i * D + c0);
-      for (int m = 0; m < MB; ++m) acc[m] += xv * p[(m0 + m) * TP + pos[i]];
+      vf xv[CB];
+      for (int v = 0; v < CB; ++v)
+        if (v < nv) xv[v] = load_row(x + i * D + c0 + v * L);
+      for (int m = 0; m < MB; ++m) {
+        const float pm = p[(m0 + m) * TP + pos[i]];
+        for (int v = 0; v < CB; ++v)
+          if (v < nv) acc[m][v] += xv[v] * pm;
+      }
     }
-    for (int m = 0; m < MB; ++m) storef(acc_w + (m0 + m) * D + c0, acc[m]);
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < nv; ++v) storef(acc_w + (m0 + m) * D + c0 + v * L, acc[m][v]);
   }
 }
 
@@ -379,7 +389,12 @@ void mat_vec(const float* at, int n, const float* x, float* u, int m0) {
         std::memcpy(&col, at + size_t(c) * n + j0, sizeof(float) * lanes);
       for (int m = 0; m < MB; ++m) acc[m] += col * x[(m0 + m) * n + c];
     }
-    for (int m = 0; m < MB; ++m) std::memcpy(u + (m0 + m) * n + j0, &acc[m], sizeof(float) * lanes);
+    for (int m = 0; m < MB; ++m) {
+      if (lanes == L)
+        storef(u + (m0 + m) * n + j0, acc[m]);
+      else
+        std::memcpy(u + (m0 + m) * n + j0, &acc[m], sizeof(float) * lanes);
+    }
   }
 }
 
