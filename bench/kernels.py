@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import sys
@@ -180,6 +181,7 @@ def cells(device: torch.device, quick: bool):
 
 def measure(args) -> dict:
     device = torch.device(args.device)
+    load_before = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     bandwidth = copy_bandwidth(device, args.copy_mib << 20)
     print(f"{device_name(device)}: copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
           f"{torch.get_num_threads()} threads", flush=True)
@@ -223,6 +225,7 @@ def measure(args) -> dict:
                 device=device_name(device), device_type=device.type,
                 threads=torch.get_num_threads(), torch=torch.__version__,
                 copy_bandwidth_GBps=bandwidth / 1e9,
+                load_avg_1min=dict(start=load_before, end=os.getloadavg()[0]),
                 shape=dict(q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                            block_size=args.block_size, query_rows_per_request=1),
                 rows=rows, baselines=baselines, summary=summarize(rows))

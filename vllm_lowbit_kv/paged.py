@@ -267,23 +267,18 @@ def _empty_write_plan() -> WritePlan:
     return WritePlan(*([_EMPTY] * 14))
 
 
-def make_read_plan(page_gids: torch.Tensor, page_start: list[int], tail_slot: list[int],
+def make_read_plan(table: torch.Tensor, num_groups: torch.Tensor, tail_slot: list[int],
                    ctx_len: list[int], query_start: list[int], first_block: list[int], T: int,
                    sink_tokens: int) -> ReadPlan:
-    """A :class:`ReadPlan` from each request's groups, tail and context length: adds the
-    packed-attention table (ops contract) and the batched exact parts."""
-    R = len(ctx_len)
-    num_groups = torch.tensor(page_start[1:], dtype=torch.long) - torch.tensor(
-        page_start[:-1], dtype=torch.long)
-    table = torch.zeros(R, int(num_groups.max()) if R else 0, dtype=torch.long)
-    if page_gids.numel():
-        req = torch.repeat_interleave(torch.arange(R), num_groups)
-        col = torch.arange(page_gids.numel()) - torch.tensor(page_start[:-1])[req]
-        table[req, col] = page_gids
+    """A :class:`ReadPlan` from each request's groups (``table`` int64 [R, G_max] in token
+    order, valid up to ``num_groups[r]``), tail and context length; adds the flat group
+    list and the batched exact parts."""
+    valid = torch.arange(table.shape[1]) < num_groups.unsqueeze(1)
+    page_start = [0] + torch.cumsum(num_groups, 0).tolist()
     skip = torch.clamp(num_groups * T, max=sink_tokens)
     exact = plan_exact(query_start, ctx_len, skip.tolist(), tail_slot, first_block, T)
-    return ReadPlan(page_gids, list(page_start), list(tail_slot), list(ctx_len), list(query_start),
-                    list(first_block), table, num_groups, skip,
+    return ReadPlan(table[valid], page_start, list(tail_slot), list(ctx_len), list(query_start),
+                    list(first_block), table * valid, num_groups, skip,
                     torch.tensor(query_start, dtype=torch.long), exact)
 
 
@@ -365,29 +360,32 @@ class StagingAllocator:
         complete groups from the pages, its partial group from its staging slot.
         Call before :meth:`plan_writes` of the same step."""
         T, N = self.T, groups_per_block
-        gids, page_start, tail, ctx_lens, first = [], [0], [], [], []
-        bt = block_table.to("cpu")
-        for r, L in enumerate(seq_lens):
-            ctx = L - (query_start[r + 1] - query_start[r])
-            n_enc, part = divmod(ctx, T)
-            first.append(int(bt[r, 0]) if L > 0 else -1)
-            if n_enc:
-                g = torch.arange(n_enc)
-                gids.append(bt[r, g // N].long() * N + g % N)
+        R = len(seq_lens)
+        bt = block_table.to("cpu", torch.long)[:R]
+        ctx_lens = [L - (query_start[r + 1] - query_start[r]) for r, L in enumerate(seq_lens)]
+        n_enc = [c // T for c in ctx_lens]
+        rows = torch.arange(R)
+        first = torch.where(torch.tensor(seq_lens) > 0, bt[:, 0], -1).tolist() if R else []
+        # the block of each partial group (column n_enc // N, in range when it exists)
+        part_block = bt[rows, (torch.tensor(n_enc, dtype=torch.long) // N).clamp(
+            max=bt.shape[1] - 1)].tolist() if any(c % T for c in ctx_lens) else [0] * R
+        tail = []
+        for r, ctx in enumerate(ctx_lens):
             slot = -1
-            if part:
-                gid = int(bt[r, n_enc // N]) * N + n_enc % N
+            if ctx % T:
+                gid = part_block[r] * N + n_enc[r] % N
                 slot = self.slot_of.get(gid, -1)
                 if slot < 0:
                     raise RuntimeError(
-                        f"lowbit-kv: request row {r} has {part} context tokens in group {gid} "
+                        f"lowbit-kv: request row {r} has {ctx % T} context tokens in group {gid} "
                         "but no staging slot holds them (released or never written); refusing "
                         "to attend to missing tokens")
             tail.append(slot)
-            page_start.append(page_start[-1] + n_enc)
-            ctx_lens.append(ctx)
-        page_gids = torch.cat(gids) if gids else _EMPTY
-        return make_read_plan(page_gids, page_start, tail, ctx_lens, query_start, first, T,
+        # every request's complete groups in token order: [R, G_max], zero-padded
+        num_groups = torch.tensor(n_enc, dtype=torch.long)
+        col = torch.arange(max(n_enc, default=0))
+        table = bt[:, col // N] * N + col % N
+        return make_read_plan(table, num_groups, tail, ctx_lens, query_start, first, T,
                               self.sink_tokens)
 
     def plan_writes(self, slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
@@ -648,8 +646,8 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
     """Every fresh row over its request's exact keys (:class:`ExactBatch`): out
     [n, Hq, D] float32 and lse [n, Hq], to merge with the packed part."""
     n, Hq, D = query.shape[0], query.shape[1], query.shape[2]
-    out = torch.empty(n, Hq, D, dtype=torch.float32)
-    lse = torch.empty(n, Hq, dtype=torch.float32)
+    out = torch.empty(n, Hq, D, dtype=torch.float32, device=query.device)
+    lse = torch.empty(n, Hq, dtype=torch.float32, device=query.device)
     for b in rplan.exact:
         ks, vs = [], []
         if b.sinks:
@@ -661,7 +659,8 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
             vs.append(staging.v[b.tail_slots, :b.tail].float())
         ks.append(key[b.rows].float())
         vs.append(value[b.rows].float())
-        o, l = attend_with_lse(query[b.rows], torch.cat(ks, 1), torch.cat(vs, 1), b.bias, scale)
+        o, l = attend_with_lse(query[b.rows], torch.cat(ks, 1), torch.cat(vs, 1),
+                               b.bias.to(query.device), scale)
         out[b.rows] = o
         lse[b.rows] = l
     return out, lse

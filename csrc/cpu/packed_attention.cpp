@@ -120,32 +120,62 @@ inline vf vexp(vf x) {
 
 // -- decoding helpers -----------------------------------------------------------------
 inline void halves_to_float(const uint8_t* src, int n, float* dst) {
-  for (int i = 0; i < n; ++i) {
+  int i = 0;
+#if defined(__AVX512F__)
+  for (; i + L <= n; i += L)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + 2 * i))));
+#endif
+  for (; i < n; ++i) {
     uint16_t bits;
     std::memcpy(&bits, src + 2 * i, 2);
     dst[i] = float(c10::Half(bits, c10::Half::from_bits()));
   }
 }
 
+inline float dot(const float* a, const float* b, int n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 inline bool bit_at(const uint8_t* p, int i) { return (p[i >> 3] >> (i & 7)) & 1; }
 
 // Flat b-bit codes [0, count) of a stream of `bytes` bytes (little-end first) -> floats.
 // dst holds round_up(count) floats (the tail lanes get whatever codes follow, or 0).
-void decode_codes(const uint8_t* src, int64_t bytes, int64_t count, int bits, float* dst) {
-  const vi lane_bits = iota() * bits;
-  const vu mask = vu{} + ((1u << bits) - 1);
+// 16 codes start on a 16-bit (1 bit) or 32-bit boundary, so their words are spread over
+// the lanes by one shuffle.
+template <int BITS>
+void decode_codes_bits(const uint8_t* src, int64_t bytes, int64_t count, float* dst) {
+  typedef uint32_t v4u __attribute__((vector_size(16)));
+  vu shift;
+  for (int l = 0; l < L; ++l) shift[l] = (l * BITS) % 32;
+  const uint32_t mask = (1u << BITS) - 1;
   for (int64_t f0 = 0; f0 < count; f0 += L) {
-    const int64_t bit0 = f0 * bits, byte0 = bit0 >> 5 << 2;  // whole words
-    uint32_t w[4] = {0, 0, 0, 0};  // 16 codes of <= 8 bits starting in word byte0/4
+    const int64_t byte0 = f0 * BITS / 8;
+    v4u w = {0, 0, 0, 0};
     if (byte0 + 16 <= bytes)
-      std::memcpy(w, src + byte0, 16);
+      std::memcpy(&w, src + byte0, 16);
     else
-      std::memcpy(w, src + byte0, size_t(bytes - byte0));
-    const vi b = lane_bits + int(bit0 & 31);
-    const vu words = {w[0], w[1], w[2], w[3]};
-    const vu sel = __builtin_shuffle(words, vu(b >> 5));
-    const vu codes = (sel >> vu(b & 31)) & mask;
-    storef(dst + f0, __builtin_convertvector(vi(codes), vf));
+      std::memcpy(&w, src + byte0, size_t(bytes - byte0));
+    vu words;
+    if constexpr (BITS <= 2) {
+      words = vu{} + w[0];
+    } else if constexpr (BITS == 4) {
+      words = __builtin_shufflevector(w, w, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    } else {
+      words = __builtin_shufflevector(w, w, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    }
+    storef(dst + f0, __builtin_convertvector(vi((words >> shift) & mask), vf));
+  }
+}
+
+void decode_codes(const uint8_t* src, int64_t bytes, int64_t count, int bits, float* dst) {
+  switch (bits) {
+    case 1: return decode_codes_bits<1>(src, bytes, count, dst);
+    case 2: return decode_codes_bits<2>(src, bytes, count, dst);
+    case 4: return decode_codes_bits<4>(src, bytes, count, dst);
+    default: return decode_codes_bits<8>(src, bytes, count, dst);
   }
 }
 
@@ -168,11 +198,66 @@ const TritTable& trit_table() {
   return table;
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__)
+// 64 bytes hold 320 trits; output vector j (trits 64j .. 64j + 63) takes lane l from byte
+// (64j + l) / 5, digit (64j + l) % 5: one byte permute, then in 16-bit lanes
+// digit = (byte * mul >> shift) % 3 with mul/shift dividing by 3^digit exactly for bytes.
+struct TritSimd {
+  __m512i perm[5], mul[5][2], shift[5][2];
+  TritSimd() {
+    static const int kMul[5] = {1, 171, 57, 19, 203}, kShift[5] = {0, 9, 9, 9, 14};
+    alignas(64) uint8_t p[64];
+    alignas(64) uint16_t m[2][32], sh[2][32];
+    for (int j = 0; j < 5; ++j) {
+      for (int l = 0; l < 64; ++l) {
+        const int t = 64 * j + l, digit = t % 5;
+        p[l] = uint8_t(t / 5);
+        m[l / 32][l % 32] = uint16_t(kMul[digit]);
+        sh[l / 32][l % 32] = uint16_t(kShift[digit]);
+      }
+      perm[j] = _mm512_load_si512(p);
+      for (int h = 0; h < 2; ++h) {
+        mul[j][h] = _mm512_load_si512(m[h]);
+        shift[j][h] = _mm512_load_si512(sh[h]);
+      }
+    }
+  }
+};
+
+inline __m512i trits16(__m512i bytes16, __m512i mul, __m512i shift) {
+  const __m512i q = _mm512_srlv_epi16(_mm512_mullo_epi16(bytes16, mul), shift);
+  const __m512i q3 = _mm512_srli_epi16(_mm512_mullo_epi16(q, _mm512_set1_epi16(171)), 9);
+  const __m512i r = _mm512_sub_epi16(q, _mm512_mullo_epi16(q3, _mm512_set1_epi16(3)));
+  return _mm512_sub_epi16(r, _mm512_set1_epi16(1));
+}
+
+// n trits -> int8 in {-1, 0, 1}; dst holds round_up(n, 64) bytes
+inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
+  static const TritSimd c;
+  const int bytes = (n + 4) / 5;
+  for (int b0 = 0; b0 < bytes; b0 += 64) {
+    const __m512i v = b0 + 64 <= bytes
+                          ? _mm512_loadu_si512(src + b0)
+                          : _mm512_maskz_loadu_epi8((1ull << (bytes - b0)) - 1, src + b0);
+    for (int j = 0; j < 5 && 5 * b0 + 64 * j < n; ++j) {
+      const __m512i g = _mm512_permutexvar_epi8(c.perm[j], v);
+      const __m256i lo = _mm512_cvtepi16_epi8(
+          trits16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(g)), c.mul[j][0], c.shift[j][0]));
+      const __m256i hi = _mm512_cvtepi16_epi8(
+          trits16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(g, 1)), c.mul[j][1],
+                  c.shift[j][1]));
+      _mm512_storeu_si512(dst + 5 * b0 + 64 * j,
+                          _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+    }
+  }
+}
+#else
 // n trits -> int8 in {-1, 0, 1}; dst holds n + 8 bytes
 inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
   const TritTable& t = trit_table();
   for (int i = 0; i < (n + 4) / 5; ++i) std::memcpy(dst + 5 * i, t.v[src[i]], 8);
 }
+#endif
 
 // Rows [0, n) of J b-bit codes (rows back to back in the stream) -> W = ceil(J b / 32)
 // words per row, word-major: words[w * TP + i]; rows [n, TP) are zero.
@@ -248,18 +333,30 @@ inline vf load_row(const int8_t* x) {
 template <int MB, typename X>
 void row_sums(const X* x, const int* pos, int rows, int D, const float* p, int TP,
               float* acc_w, float* psum, int m0) {
-  for (int m = 0; m < MB; ++m) {
-    float s = 0.f;
-    for (int i = 0; i < rows; ++i) s += p[(m0 + m) * TP + pos[i]];
-    psum[m0 + m] = s;
-  }
-  for (int c0 = 0; c0 < D; c0 += L) {
-    vf acc[MB] = {};
-    for (int i = 0; i < rows; ++i) {
-      const vf xv = load_row(x + i * D + c0);
-      for (int m = 0; m < MB; ++m) acc[m] += xv * p[(m0 + m) * TP + pos[i]];
+  if (psum) {
+    for (int m = 0; m < MB; ++m) {
+      float s[4] = {0.f, 0.f, 0.f, 0.f};  // independent partial sums
+      for (int i = 0; i < rows; ++i) s[i & 3] += p[(m0 + m) * TP + pos[i]];
+      psum[m0 + m] = (s[0] + s[1]) + (s[2] + s[3]);
     }
-    for (int m = 0; m < MB; ++m) storef(acc_w + (m0 + m) * D + c0, acc[m]);
+  }
+  // blocks of up to 4 vectors of channels: each probability is loaded once per block
+  constexpr int CB = 4;
+  for (int c0 = 0; c0 < D; c0 += CB * L) {
+    const int nv = std::min(CB, (D - c0) / L);
+    vf acc[MB][CB] = {};
+    for (int i = 0; i < rows; ++i) {
+      vf xv[CB];
+      for (int v = 0; v < CB; ++v)
+        if (v < nv) xv[v] = load_row(x + i * D + c0 + v * L);
+      for (int m = 0; m < MB; ++m) {
+        const float pm = p[(m0 + m) * TP + pos[i]];
+        for (int v = 0; v < CB; ++v)
+          if (v < nv) acc[m][v] += xv[v] * pm;
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < nv; ++v) storef(acc_w + (m0 + m) * D + c0 + v * L, acc[m][v]);
   }
 }
 
@@ -292,7 +389,12 @@ void mat_vec(const float* at, int n, const float* x, float* u, int m0) {
         std::memcpy(&col, at + size_t(c) * n + j0, sizeof(float) * lanes);
       for (int m = 0; m < MB; ++m) acc[m] += col * x[(m0 + m) * n + c];
     }
-    for (int m = 0; m < MB; ++m) std::memcpy(u + (m0 + m) * n + j0, &acc[m], sizeof(float) * lanes);
+    for (int m = 0; m < MB; ++m) {
+      if (lanes == L)
+        storef(u + (m0 + m) * n + j0, acc[m]);
+      else
+        std::memcpy(u + (m0 + m) * n + j0, &acc[m], sizeof(float) * lanes);
+    }
   }
 }
 
@@ -351,12 +453,11 @@ void affine_channel_scores(const uint8_t* codes, int rows, int bits, const uint8
   halves_to_float(scale_h, D, scale);
   halves_to_float(zero_h, D, zero);
   for (int m = 0; m < M; ++m) {
-    float c0 = 0.f;
-    for (int c = 0; c < D; ++c) {
-      s.w[m * D + c] = q[m * D + c] * scale[c];
-      c0 += q[m * D + c] * zero[c];
-    }
-    std::fill(out + m * TP, out + (m + 1) * TP, c0);
+    const float* qm = q + m * D;
+    float* wm = s.w.data() + m * D;
+#pragma omp simd
+    for (int c = 0; c < D; ++c) wm[c] = qm[c] * scale[c];
+    std::fill(out + m * TP, out + (m + 1) * TP, dot(qm, zero, D));
   }
   const int W = repack_rows(codes, rows, D, bits, s.words.data(), TP);
   LOWBIT_FOR_BLOCKS(M, column_scores, s.words.data(), W, TP, D, bits, s.w.data(), out)
@@ -408,13 +509,11 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
   float* qn = s.qn.data();  // [M][n1]: the normal channels, then A q_N in place
   for (int m = 0; m < M; ++m) {
     const float* qm = q + m * D;
-    float c0 = 0.f;
-    for (int j = 0; j < n2; ++j) {
-      const float qc = qm[s.idx2[j]];
-      w2[m * n2 + j] = qc * scale2[j];
-      c0 += qc * zero2[j];
-    }
-    s.cst[m] = c0;
+    float* w2m = w2 + m * n2;
+    for (int j = 0; j < n2; ++j) w2m[j] = qm[s.idx2[j]];
+    s.cst[m] = dot(w2m, zero2, n2);
+#pragma omp simd
+    for (int j = 0; j < n2; ++j) w2m[j] *= scale2[j];
     for (int j = 0; j < n1; ++j) qn[m * n1 + j] = qm[s.idxn[j]];
   }
   if (f.fft_map_t) {  // u = A q_N: the inverse transform moved onto the query
@@ -423,12 +522,10 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
   }
   for (int m = 0; m < M; ++m) {
     const float* u = qn + m * n1;
-    float c0 = s.cst[m];
-    for (int j = 0; j < n1; ++j) {
-      c0 += u[j] * lo[j];
-      w1[m * n1 + j] = u[j] * (hi[j] - lo[j]);
-    }
-    std::fill(low + m * TP, low + (m + 1) * TP, c0);
+    float* w1m = w1 + m * n1;
+#pragma omp simd
+    for (int j = 0; j < n1; ++j) w1m[j] = u[j] * (hi[j] - lo[j]);
+    std::fill(low + m * TP, low + (m + 1) * TP, s.cst[m] + dot(u, lo, n1));
   }
   if (n2) {
     const int W = repack_rows(st + d[VK_CODES2], n, n2, 2, s.words.data(), TP);
@@ -451,7 +548,8 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
 template <typename X>
 void accumulate(const X* x, const int* pos, int rows, const float* p, int M, int D, int TP,
                 const float* a, const float* b, float* acc, Scratch& s) {
-  LOWBIT_FOR_BLOCKS(M, row_sums, x, pos, rows, D, p, TP, s.w.data(), s.psum.data())
+  // sum_i p_i only matters with an offset b
+  LOWBIT_FOR_BLOCKS(M, row_sums, x, pos, rows, D, p, TP, s.w.data(), b ? s.psum.data() : nullptr)
   for (int m = 0; m < M; ++m) {
     const float* wm = s.w.data() + m * D;
     float* am = acc + m * D;
@@ -468,7 +566,8 @@ void accumulate(const X* x, const int* pos, int rows, const float* p, int M, int
 
 int64_t code_bytes(int64_t count, int bits) { return (count * bits + 7) / 8; }
 
-void accumulate_values(const Format& f, const uint8_t* sv, const float* p, int M, float* acc,
+// p (probabilities, token order) may be overwritten
+void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, float* acc,
                        Scratch& s) {
   const int T = f.T, D = f.D, TP = f.TP;
   const auto& d = f.val;
@@ -476,13 +575,33 @@ void accumulate_values(const Format& f, const uint8_t* sv, const float* p, int M
   float* scale = s.meta.data();
   float* zero = scale + D;
   int* pos = s.vpos.data();
-  if (d[0] == VAL_KIVI_TOKEN) {  // rows decoded to values (scale/zero per token group)
+  if (d[0] == VAL_KIVI_TOKEN) {  // scale/zero per token group
     const int bits = int(d[KT_BITS]), gs = int(d[KT_GROUP]), ng = D / gs;
     decode_codes(sv + d[KT_CODES], code_bytes(int64_t(T) * D, bits), int64_t(T) * D, bits, x);
     std::vector<float>& sz = s.extra;  // scale then zero, [T][ng] each
     sz.resize(size_t(2) * T * ng);
     halves_to_float(sv + d[KT_SCALE], T * ng, sz.data());
     halves_to_float(sv + d[KT_ZERO], T * ng, sz.data() + T * ng);
+    stp_positions(nullptr, T, 0, pos);
+    std::fill(scale, scale + D, 1.f);
+    if (ng == 1) {  // one group per token: sum_t p_t (s_t x_t + z_t) = sum_t (p_t s_t) x_t + sum_t p_t z_t
+      const float* st = sz.data();
+      const float* zt = sz.data() + T;
+      for (int m = 0; m < M; ++m) {
+        float* pm = p + m * TP;
+        s.cst[m] = dot(pm, zt, T);
+#pragma omp simd
+        for (int t = 0; t < T; ++t) pm[t] *= st[t];
+      }
+      accumulate(x, pos, T, p, M, D, TP, scale, nullptr, acc, s);
+      for (int m = 0; m < M; ++m) {
+        float* am = acc + m * D;
+        const float pz = s.cst[m];
+#pragma omp simd
+        for (int c = 0; c < D; ++c) am[c] += pz;
+      }
+      return;
+    }
     for (int t = 0; t < T; ++t)
       for (int g = 0; g < ng; ++g) {
         const float sc = sz[t * ng + g], z = sz[T * ng + t * ng + g];
@@ -490,8 +609,6 @@ void accumulate_values(const Format& f, const uint8_t* sv, const float* p, int M
 #pragma omp simd
         for (int c = 0; c < gs; ++c) xr[c] = xr[c] * sc + z;
       }
-    stp_positions(nullptr, T, 0, pos);
-    std::fill(scale, scale + D, 1.f);
     accumulate(x, pos, T, p, M, D, TP, scale, nullptr, acc, s);
     return;
   }

@@ -153,17 +153,17 @@ def compacted_read_plan(read: ReadPlan, rows: dict[int, tuple[int, int, torch.Te
     kept_gids)`` reading its ``kept_len`` compacted pairs (groups ``kept_gids``) and then its
     groups from ``keep_from`` on."""
     T = layout.T
-    gids, start, ctx_len = [], [0], list(read.ctx_len)
+    segs, ctx_len = [], list(read.ctx_len)
     for r in range(len(read.ctx_len)):
-        seg = read.page_gids[read.page_start[r]:read.page_start[r + 1]]
+        seg = read.group_table[r, :int(read.num_groups[r])]
         if r in rows:
             keep_from, kept_len, kept_gids = rows[r]
             require(read.ctx_len[r] >= keep_from, "compacted request context",
                     f">= its kept-in-place start ({keep_from})", read.ctx_len[r])
-            seg = torch.cat([kept_gids, seg[keep_from // T:]])
+            seg = torch.cat([kept_gids.long(), seg[keep_from // T:]])
             ctx_len[r] = kept_len + read.ctx_len[r] - keep_from
-        gids.append(seg)
-        start.append(start[-1] + seg.numel())
-    page_gids = torch.cat(gids) if gids else read.page_gids
-    return make_read_plan(page_gids, start, read.tail_slot, ctx_len, read.q_start,
+        segs.append(seg)
+    table = torch.nn.utils.rnn.pad_sequence(segs, batch_first=True) if segs else read.group_table
+    num_groups = torch.tensor([x.numel() for x in segs], dtype=torch.long)
+    return make_read_plan(table, num_groups, read.tail_slot, ctx_len, read.q_start,
                           read.first_block, T, layout.sink_tokens)

@@ -1,0 +1,210 @@
+"""Server decode throughput at equal batch: a packed KV scheme against bf16, same run.
+
+    python -m bench.decode                                   # bfloat16 vs vidkv, batch 16
+    python -m bench.decode --kv-cache-dtype bfloat16,vidkv,kivi2 --batch 16 \\
+        --prompt-tokens 1536 --output-tokens 128 --rounds 2
+
+Each KV dtype gets the real server (``python -m serving``, started through
+:class:`bench.vllm_engine.VllmServer`: vLLM's OpenAI server with the plugin,
+``--enforce-eager``, prefix caching off, ``--max-num-seqs`` = the batch).
+``batch`` requests with distinct prompts of ``prompt_tokens`` tokens (cut from
+the Lee corpus) are sent at once, streaming, each generating exactly
+``output_tokens`` tokens (greedy, ``ignore_eos``). Every streamed token is
+time-stamped on arrival; the decode window is the span in which *all*
+requests are decoding (from the last first token to the first last token),
+and decode throughput = tokens received in that window / its length, i.e.
+tokens per second of steps that each decode the whole batch. Rounds
+alternate the dtypes (bf16, scheme, bf16, scheme, ...) so a change in the
+machine's load hits both; the ratio is that of the medians. The JSON records
+the command, the machine, its load average, and every round; a PNG plots them.
+Results: ``bench/results/decode_cpu.{json,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bench.vllm_engine import VllmServer, model_geometry
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def prompts(model_dir: str, batch: int, n: int) -> list[list[int]]:
+    """``batch`` distinct token-id prompts of ``n`` tokens from the evaluation corpus."""
+    from transformers import AutoTokenizer
+
+    from bench.corpus import default_text
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(default_text()).input_ids
+    if len(ids) < batch * n:
+        raise ValueError(f"the corpus has {len(ids)} tokens, fewer than {batch} x {n}")
+    return [ids[i * n:(i + 1) * n] for i in range(batch)]
+
+
+def stream_times(server: VllmServer, prompt: list[int], max_tokens: int) -> list[float]:
+    """Arrival time of every generated token of one streamed completion."""
+    body = {"model": server.model_name, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=3600)
+    times: list[float] = []
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk["choices"] and chunk["choices"][0].get("text") is not None:
+                times.append(time.perf_counter())
+    finally:
+        conn.close()
+    if len(times) != max_tokens:
+        raise RuntimeError(f"expected {max_tokens} streamed tokens, got {len(times)}")
+    return times
+
+
+def one_round(server: VllmServer, batch_prompts: list[list[int]], output_tokens: int) -> dict:
+    results: list[list[float] | BaseException] = [None] * len(batch_prompts)  # type: ignore
+
+    def run(i: int) -> None:
+        try:
+            results[i] = stream_times(server, batch_prompts[i], output_tokens)
+        except BaseException as e:  # reported below
+            results[i] = e
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batch_prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]!r}")
+    start = max(ts[0] for ts in results)  # every request has its first token
+    end = min(ts[-1] for ts in results)  # no request has finished
+    if end <= start:
+        raise RuntimeError("no window in which every request decodes (raise --output-tokens)")
+    in_window = sum(sum(1 for t in ts if start < t <= end) for ts in results)
+    return dict(decode_tokens_per_s=in_window / (end - start), window_s=end - start,
+                window_tokens=in_window, wall_s=max(ts[-1] for ts in results) - t0,
+                first_token_s=start - t0)
+
+
+def measure(args) -> dict:
+    model_dir = args.model
+    geo = model_geometry(model_dir)
+    batch_prompts = prompts(model_dir, args.batch, args.prompt_tokens)
+    max_len = args.prompt_tokens + args.output_tokens + 16
+    rounds = []
+    for r in range(args.rounds):
+        for dtype in args.dtypes:
+            server = VllmServer(model_dir, dtype, chunk=args.chunk, max_model_len=max_len,
+                                kv_space_gib=args.kv_space_gib, max_num_seqs=args.batch,
+                                log_path=args.log_dir / f"decode_{dtype}_{r}.log"
+                                if args.log_dir else None)
+            with server:
+                load = os.getloadavg()[0]
+                res = one_round(server, batch_prompts, args.output_tokens)
+            res.update(kv_cache_dtype=dtype, round=r, load_avg_1min=load,
+                       startup_s=server.startup_s)
+            rounds.append(res)
+            print(f"round {r} {dtype:10s}: {res['decode_tokens_per_s']:7.1f} tokens/s decode "
+                  f"({res['window_tokens']} tokens in {res['window_s']:.1f} s, load {load:.1f})",
+                  flush=True)
+    median = {d: statistics.median(x["decode_tokens_per_s"] for x in rounds
+                                   if x["kv_cache_dtype"] == d) for d in args.dtypes}
+    ref = args.dtypes[0]
+    return dict(
+        command=" ".join(shlex.quote(a) for a in [sys.executable, "-m", "bench.decode"]
+                         + sys.argv[1:]),
+        machine=dict(cpu=_cpu_name(), cores=os.cpu_count(), platform=platform.platform()),
+        model=model_dir, geometry=geo, batch=args.batch, prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens, chunk=args.chunk, kv_space_gib=args.kv_space_gib,
+        attention_impl=os.environ.get("LOWBIT_KV_ATTENTION_IMPL", "auto"),
+        rounds=rounds, median_decode_tokens_per_s=median,
+        ratio_to_reference={d: median[d] / median[ref] for d in args.dtypes},
+        reference=ref)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = list(result["median_decode_tokens_per_s"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, d in enumerate(dtypes):
+        vals = [x["decode_tokens_per_s"] for x in result["rounds"] if x["kv_cache_dtype"] == d]
+        ax.bar(i, result["median_decode_tokens_per_s"][d], color=f"C{i}", alpha=0.6)
+        ax.plot([i] * len(vals), vals, "ko", ms=4)
+        ax.text(i, result["median_decode_tokens_per_s"][d],
+                f"x{result['ratio_to_reference'][d]:.2f}", ha="center", va="bottom")
+    ax.set_xticks(range(len(dtypes)), dtypes)
+    ax.set_ylabel("decode tokens/s (whole batch decoding)")
+    ax.set_title(f"vLLM CPU server, batch {result['batch']}, {result['prompt_tokens']}-token "
+                 f"prompts, {result['output_tokens']} output tokens\n{result['machine']['cpu']}, "
+                 f"{result['machine']['cores']} cores (dots: rounds)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vllm_lowbit_kv.model import prepare_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    p.add_argument("--kv-cache-dtype", dest="dtypes", default="bfloat16,vidkv",
+                   help="comma-separated; the first is the reference of the ratios")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=1536)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--chunk", type=int, default=2048, help="--max-num-batched-tokens")
+    p.add_argument("--kv-space-gib", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--log-dir", type=Path, default=None, help="keep the server logs here")
+    p.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.json")
+    args = p.parse_args(argv)
+    args.model = args.model or str(prepare_model(progress=False))
+    args.dtypes = args.dtypes.split(",")
+    if args.log_dir:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    result = measure(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.out.with_suffix(".png"))
+    print(json.dumps(dict(median=result["median_decode_tokens_per_s"],
+                          ratio=result["ratio_to_reference"]), indent=1))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
