@@ -98,6 +98,44 @@ def test_cli_eviction_rows(tiny):
         quality.main(argv[:-5] + ["--kv-eviction", "h2o", "--kv-retention", "0.5"])
 
 
+class _OneServerPerPolicy(quality.HFEngine):
+    """An engine that, like the vLLM one, runs one eviction setting per instance."""
+
+    variants_share_prefill = False
+    made: list = []
+
+    def __init__(self, model_dir, kv_cache_dtype, *, eviction=None, **kw):
+        super().__init__(model_dir, kv_cache_dtype, **kw)
+        self.eviction = eviction
+        self.made.append((kv_cache_dtype, eviction and (eviction.name, eviction.retention)))
+
+    def logprobs_variants(self, ids, chunk, prompt_tokens, policies):
+        assert list(policies) == [self.eviction]
+        return super().logprobs_variants(ids, chunk, prompt_tokens, policies)
+
+    def greedy_variants(self, ids, n, chunk, policies, references=None):
+        assert list(policies) == [self.eviction]
+        return super().greedy_variants(ids, n, chunk, policies, references)
+
+
+def test_cli_eviction_one_engine_per_policy(tiny, monkeypatch):
+    """Engines that cannot share a prefill across policies get one instance per policy;
+    the rows are the shared-prefill engine's."""
+    model_dir, text, root = tiny
+    argv = ["--model", str(model_dir), "--text-file", str(text), "--kv-cache-dtype", "kivi4",
+            "--max-tokens", "200", "--chunk", "64", "--passkey-lengths", "256",
+            "--agreement-prompts", "1", "--agreement-prompt-tokens", "100", "--agreement-tokens", "4",
+            "--kv-eviction", "recency", "--kv-retention", "0.5", "--no-progress"]
+    shared = quality.main(argv)
+    monkeypatch.setitem(quality.ENGINES, "split", _OneServerPerPolicy)
+    split = quality.main(argv + ["--engine", "split"])
+    assert _OneServerPerPolicy.made == [("bfloat16", None), ("bfloat16", ("recency", 0.5)),
+                                        ("kivi4", None), ("kivi4", ("recency", 0.5))]
+    for a, b in zip(shared["rows"], split["rows"], strict=True):
+        assert (a["label"], a["ppl"], a["agreement"]) == (b["label"], b["ppl"], b["agreement"])
+        assert [d["answer"] for d in a["passkey_details"]] == [d["answer"] for d in b["passkey_details"]]
+
+
 def test_cli_refuses_bad_arguments(tiny):
     model_dir, text, _ = tiny
     with pytest.raises(ValueError, match="kv_cache_dtype"):
