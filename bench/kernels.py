@@ -25,6 +25,10 @@ of the floor reached, and speedups over bf16 SDPA, vLLM's kernel and the
 PyTorch fallback measured in the same run. JSON (with the command and the
 device) and a PNG go to ``bench/results/kernels_<device>.{json,png}``.
 
+``--threads`` sets the CPU threads: on a machine shared with other jobs use 1,
+since every parallel region of a multi-threaded kernel waits for its slowest
+thread (the JSON records the threads and the load average).
+
 Imports only torch, the codecs and the ops (no vLLM needed): runs on a GPU box
 with torch and triton alone.
 """
@@ -76,7 +80,9 @@ def sync(device: torch.device) -> None:
 
 
 def timeit(fn, device: torch.device, min_time: float, max_reps: int = 200) -> float:
-    """Median seconds per call over batches of calls lasting about min_time / 5 each."""
+    """Seconds per call: the best of up to 5 batches of calls lasting about min_time / 5
+    each (the best, as ``timeit`` advises: on a shared machine the others measure the
+    neighbours)."""
     fn()
     sync(device)
     t0 = time.perf_counter()
@@ -93,8 +99,7 @@ def timeit(fn, device: torch.device, min_time: float, max_reps: int = 200) -> fl
         times.append((time.perf_counter() - t0) / reps)
         if once * reps * len(times) > 4 * min_time:  # slow implementation: enough samples
             break
-    times.sort()
-    return times[len(times) // 2]
+    return min(times)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -296,8 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--no-vllm", action="store_true", help="skip vLLM's own CPU kernel")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (torch.set_num_threads; default: torch's)")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/kernels_<device>.json)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.schemes = args.schemes.split(",")
     args.impls = args.impls.split(",")
     bad = [i for i in args.impls if i not in IMPLEMENTATIONS]

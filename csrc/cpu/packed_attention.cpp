@@ -179,25 +179,6 @@ void decode_codes(const uint8_t* src, int64_t bytes, int64_t count, int bits, fl
   }
 }
 
-// Byte -> its five trits (base 3, value - 1); rows of 8 so one 8-byte copy writes a
-// byte's trits (the extra lanes are overwritten by the next byte).
-struct TritTable {
-  alignas(64) int8_t v[256][8];
-  TritTable() {
-    for (int b = 0; b < 256; ++b) {
-      int x = b;
-      for (int i = 0; i < 8; ++i) {
-        v[b][i] = int8_t(i < 5 ? x % 3 - 1 : 0);
-        if (i < 5) x /= 3;
-      }
-    }
-  }
-};
-const TritTable& trit_table() {
-  static const TritTable table;
-  return table;
-}
-
 #if defined(__AVX512BW__) && defined(__AVX512VBMI__)
 // 64 bytes hold 320 trits; output vector j (trits 64j .. 64j + 63) takes lane l from byte
 // (64j + l) / 5, digit (64j + l) % 5: one byte permute, then in 16-bit lanes
@@ -252,6 +233,25 @@ inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
   }
 }
 #else
+// Byte -> its five trits (base 3, value - 1); rows of 8 so one 8-byte copy writes a
+// byte's trits (the extra lanes are overwritten by the next byte).
+struct TritTable {
+  alignas(64) int8_t v[256][8];
+  TritTable() {
+    for (int b = 0; b < 256; ++b) {
+      int x = b;
+      for (int i = 0; i < 8; ++i) {
+        v[b][i] = int8_t(i < 5 ? x % 3 - 1 : 0);
+        if (i < 5) x /= 3;
+      }
+    }
+  }
+};
+const TritTable& trit_table() {
+  static const TritTable table;
+  return table;
+}
+
 // n trits -> int8 in {-1, 0, 1}; dst holds n + 8 bytes
 inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
   const TritTable& t = trit_table();

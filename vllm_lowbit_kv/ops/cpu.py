@@ -43,7 +43,10 @@ from ..model import cache_root
 logger = logging.getLogger("vllm.lowbit_kv.ops")
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "packed_attention.cpp"
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
+#: target ISA: the build machine's own unless LOWBIT_KV_CPU_MARCH names another (the
+#: tests build an AVX2-only variant this way to run the portable code paths)
+MARCH = os.environ.get("LOWBIT_KV_CPU_MARCH", "native")
+CFLAGS = ("-O3", f"-march={MARCH}", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 LIBRARY = "lowbit_kv_cpu"
 
