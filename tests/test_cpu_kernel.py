@@ -161,34 +161,45 @@ def test_corrupt_masks_and_bad_tables_are_errors():
 
 
 PORTABLE_CHECK = """
+import sys, time
 import torch
 from vllm_lowbit_kv.ops import cpu
 from test_cpu_kernel import FORMATS, check, layout_for, random_case
+started = time.monotonic()
 assert cpu.load_library() is None
+print(f"built in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
 for i, (scheme, params) in enumerate(FORMATS):
     layout = layout_for(scheme, params, H=2, T=32, block_size=64, sinks=2)
     pages, table, ng, q_start, query = random_case(layout, [3, 9, 0], [2, 1, 1], 6, seed=i)
     check(layout, pages, table, ng, q_start, query.bfloat16(), torch.tensor([2, 0, 0]))
+    print(f"{scheme} ok", file=sys.stderr, flush=True)
 print("ok")
 """
 
 
 def test_portable_build_without_avx512(tmp_path):
     """The kernel built for AVX2 only (no AVX-512: the scalar trit table, generic int8
-    conversion and narrower vectors) matches the reference too, in its own process."""
+    conversion and narrower vectors) matches the reference too, in its own process
+    (its own build folder under tmp_path: no lock or library left by another run)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    env = dict(os.environ, LOWBIT_KV_CPU_MARCH="x86-64-v3",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
-                                           os.environ.get("PYTHONPATH", "")]))
     if os.uname().machine != "x86_64":
         pytest.skip("x86-64-v3 is an x86 target")
-    run = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+    env = dict(os.environ, LOWBIT_KV_CPU_MARCH="x86-64-v3", VLLM_LOWBIT_KV_CACHE=str(tmp_path),
+               OMP_NUM_THREADS=str(torch.get_num_threads()),
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+                                           os.environ.get("PYTHONPATH", "")]))
+    stderr = tmp_path / "stderr.txt"
+    with stderr.open("w") as err:
+        try:
+            run = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=err, timeout=900)
+        except subprocess.TimeoutExpired:
+            pytest.fail("portable build check timed out; its progress:\n" + stderr.read_text())
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), stderr.read_text()[-3000:]
 
 
 def test_dispatch_per_layout():
