@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.plotting import pyplot, save
 from bench.vllm_engine import NATIVE_DTYPES, ServerRefused, VllmEngine, VllmServer
 
 TARGET_FACTOR = 0.9
@@ -131,9 +132,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str | Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     ref = next((r["capacity_tokens"] for r in rows if r["dtype"] == REFERENCE), None)
     fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(rows) + 2), 5))
     xs = range(len(rows))
@@ -156,9 +155,7 @@ def plot(rows: list[dict], path: str | Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -34,6 +34,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench.plotting import pyplot, save
 from bench.vllm_engine import VllmServer, model_geometry
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -152,10 +153,7 @@ def _cpu_name() -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     dtypes = list(result["median_decode_tokens_per_s"])
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -170,9 +168,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(f"vLLM CPU server, batch {result['batch']}, {result['prompt_tokens']}-token "
                  f"prompts, {result['output_tokens']} output tokens\n{result['machine']['cpu']}, "
                  f"{result['machine']['cores']} cores (dots: rounds)", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.plotting import pyplot, save
+
 GIB = 1 << 30
 
 
@@ -167,9 +169,7 @@ def measure(args, model: str, eviction: dict | None) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     rows, rets = result["computed"], result["retentions"]
     fig, ax = plt.subplots(figsize=(8, 4.8))
     w = 0.8 / (len(rets) + 1)
@@ -189,9 +189,7 @@ def plot(result: dict, path: str) -> None:
                  f"{result['gen_tokens']} tokens, blocks of {result['block_size']}", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

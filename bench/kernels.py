@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.plotting import pyplot, save
 from vllm_lowbit_kv.ops import AUTO_ORDER, IMPLEMENTATIONS, implementation, unsupported_reason
 from vllm_lowbit_kv.paged import PagedLayout
 from vllm_lowbit_kv.schemes import get_scheme
@@ -250,10 +251,7 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     batches = sorted({r["batch"] for r in result["rows"]})
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4.2), squeeze=False)
@@ -281,9 +279,7 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"decode attention, one layer ({result['shape']['q_heads']} q / "
                  f"{result['shape']['kv_heads']} kv heads, d={result['shape']['head_dim']}): "
                  f"{result['device']}, {result['threads']} threads", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,6 +70,8 @@ from typing import Any
 
 import torch
 
+from bench.plotting import pyplot, save
+
 REFERENCE = "bfloat16"
 DEPTHS = (0.1, 0.5, 0.9)
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
@@ -365,9 +367,7 @@ def format_table(rows: list[dict], lengths: Sequence[int]) -> str:
 
 
 def plot(rows: list[dict], path: str | Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5.5))
     pts = [r for r in rows if r["ppl"] is not None and math.isfinite(r["ppl"])]
     for r in pts:
@@ -394,17 +394,13 @@ def plot(rows: list[dict], path: str | Path, title: str) -> None:
     ax.set_ylabel("teacher-forced chunked perplexity (log)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 def plot_eviction(rows: list[dict], path: str | Path, title: str) -> None:
     """PPL and passkey accuracy vs retention, one line per (scheme, policy); dashed: the
     scheme without eviction."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     schemes = list(dict.fromkeys(r["scheme"] for r in rows))
     policies = list(dict.fromkeys(r["eviction"] for r in rows if r["eviction"]))
     colors = dict(zip(policies, ["tab:red", "tab:blue", "tab:green", "tab:orange", "tab:purple"]))
@@ -435,9 +431,7 @@ def plot_eviction(rows: list[dict], path: str | Path, title: str) -> None:
             ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 # ----------------------------------------------------------------------------- driver

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.plotting import pyplot, save
 from bench.vllm_engine import ServerRefused, VllmServer, metric_value, percentiles
 
 REFERENCE = "bfloat16"
@@ -265,9 +266,7 @@ def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]
 
 
 def plot(rows: list[dict], path: str | Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ok = [r for r in rows if r["status"] == "ok"]
     rates = [str(p["rate"]) for p in ok[0]["points"]] if ok else []
@@ -291,9 +290,7 @@ def plot(rows: list[dict], path: str | Path, title: str) -> None:
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
