@@ -54,7 +54,7 @@ from vllm_lowbit_kv.codecs.base import require
 
 from . import _jit
 from ._jit import load_code_rows, load_codes, load_f16, load_trits
-from vllm_lowbit_kv.ops.page_format import fft_matrix, require_format
+from vllm_lowbit_kv.ops.page_format import attention_outputs, fft_matrix, require_format
 from .store import flat_pages, kernel_constants
 
 ATTN_WARPS = 8
@@ -350,21 +350,10 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
     require(Hq % H == 0, "query heads", f"a multiple of the KV heads ({H})", Hq)
     G = Hq // H
     dev = query.device
-    if out is None:
-        out = torch.empty(n, Hq, D, dtype=torch.float32, device=dev)
-    if lse is None:
-        lse = torch.empty(n, Hq, dtype=torch.float32, device=dev)
-    for name, x, shape in (("out", out, (n, Hq, D)), ("lse", lse, (n, Hq))):
-        require(x.dtype == torch.float32 and tuple(x.shape) == shape and x.is_contiguous(),
-                name, f"float32 contiguous {shape}", (x.dtype, tuple(x.shape)))
-    R = q_start.numel() - 1
-    max_groups = group_table.shape[1] if group_table.dim() == 2 else 0
-    if n == 0:
+    out, lse, nothing = attention_outputs(query, q_start, group_table, out, lse)
+    if nothing:
         return out, lse
-    if R == 0 or max_groups == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
+    R, max_groups = q_start.numel() - 1, group_table.shape[1]
     flat = flat_pages(pages, layout)
     q_start = q_start.to(dev, torch.int64)
     rows_per_tile = 1 if n <= R else max(1, 64 // G)

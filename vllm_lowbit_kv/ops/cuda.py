@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..codecs.base import require
-from .page_format import PageFormat, fft_matrix, page_format
+from .page_format import PageFormat, attention_outputs, fft_matrix, page_format
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc" / "cuda"
 SOURCES = ("bindings.cpp", "packed_attention.cu")
@@ -143,16 +143,10 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
     ext = load_extension()
     n, Hq, D = query.shape
     dev = query.device
-    out = torch.empty(n, Hq, D, dtype=torch.float32, device=dev) if out is None else out
-    lse = torch.empty(n, Hq, dtype=torch.float32, device=dev) if lse is None else lse
-    R = q_start.numel() - 1
-    max_groups = group_table.shape[1] if group_table.dim() == 2 else 0
-    if n == 0:
+    out, lse, nothing = attention_outputs(query, q_start, group_table, out, lse)
+    if nothing:
         return out, lse
-    if R == 0 or max_groups == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
+    max_groups = group_table.shape[1]
     splits, per_split = split_plan(max_groups, num_splits, dev, n * layout.H)
     empty = torch.empty(0, dtype=torch.float32, device=dev)
     part_out = part_lse = empty

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codecs.base import require
 from ..codecs.kivi import KiviCodec
 from ..codecs.vidkv import (ONE_BIT_MODES, TernaryValueCodec, VidKVKeyCodec, irfft_unique,
                             rfft_unique)
@@ -155,6 +156,28 @@ def unsupported_reason(layout) -> str | None:
     """None when the GPU kernels read this layout, else why not."""
     fmt = page_format(layout)
     return fmt if isinstance(fmt, str) else None
+
+
+def attention_outputs(query: torch.Tensor, q_start: torch.Tensor, group_table: torch.Tensor,
+                      out: torch.Tensor | None = None, lse: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The contract's ``out`` [n, Hq, D] and ``lse`` [n, Hq] (float32; allocated unless
+    given, then checked) and whether there is nothing for a kernel to read: no query rows,
+    no requests or no groups (rows with nothing to attend get out 0 and lse -inf)."""
+    n, Hq, D = query.shape
+    if out is None:
+        out = torch.empty(n, Hq, D, dtype=torch.float32, device=query.device)
+    if lse is None:
+        lse = torch.empty(n, Hq, dtype=torch.float32, device=query.device)
+    for name, x, shape in (("out", out, (n, Hq, D)), ("lse", lse, (n, Hq))):
+        require(x.dtype == torch.float32 and tuple(x.shape) == shape and x.is_contiguous(),
+                name, f"float32 contiguous {shape}", (x.dtype, tuple(x.shape)))
+    nothing = n == 0 or q_start.numel() <= 1 or group_table.dim() != 2 \
+        or group_table.shape[1] == 0
+    if nothing:
+        out.zero_()
+        lse.fill_(float("-inf"))
+    return out, lse, nothing
 
 
 def require_format(layout) -> PageFormat:
