@@ -249,7 +249,8 @@ def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]
                    effective_bits=stats["effective_bits"]["overall"],
                    allocated_bits=stats["effective_bits"]["allocated"],
                    kv_cache_bytes=stats["capacity"]["kv_cache_bytes"],
-                   startup_s=server.startup_s, points=[])
+                   attention_impls=server.attention_impls(), startup_s=server.startup_s,
+                   points=[])
         avg_len = sum(len(p) for p in prompts) / len(prompts) + args.output_tokens
         row["fits_requests"] = round(row["capacity_tokens"] / avg_len, 2)
         log(f"{dtype}: capacity {row['capacity_tokens']} tokens (~{row['fits_requests']} requests)")
@@ -325,8 +326,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
         output_tokens=args.output_tokens, rates=[r if not math.isinf(r) else "inf" for r in rates],
         seed=args.seed, max_num_seqs=args.max_num_seqs, chunk=args.chunk, dtypes=dtypes,
         complete=False, elapsed_s=None, rows=rows,
-        note=("decode of packed pages is pure PyTorch (every step decodes every running request's "
-              "whole context in every layer); a C++ CPU kernel is to land later"),
     )
     title = (f"{Path(args.model).name}: KV budget {args.kv_cache_mib:g} MiB, {args.requests} requests "
              f"of {lo}-{hi} prompt + {args.output_tokens} output tokens")

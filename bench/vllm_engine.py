@@ -285,6 +285,11 @@ class VllmServer:
             return None
         return dict(groups=float(m.group(1)), pages=float(m.group(2)), overall=float(m.group(3)))
 
+    def attention_impls(self) -> list[str]:
+        """The packed-attention implementations the backend logged choosing (``cpp``,
+        ``torch``, ...; empty for vLLM's own dtypes)."""
+        return sorted(set(re.findall(r"packed attention implementation: (\w+)", self.log_text())))
+
     def cache_info(self) -> dict[str, Any]:
         """vLLM's resolved KV cache: tokens, bytes, blocks (from /metrics, else the log)."""
         info: dict[str, Any] = {}
