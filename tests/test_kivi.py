@@ -82,17 +82,13 @@ def test_zeros_and_constants_are_exact(axis):
         torch.testing.assert_close(codec.decode(codec.encode(x)), x, rtol=0, atol=abs(value) * 2**-10)
 
 
-def test_huge_and_nonfinite_inputs_are_refused():
+def test_fp16_extremes_decode_finite():
+    """The full fp16 range is kept (beyond it is refused: test_codec_contract.py)."""
     codec = KiviCodec(4, 8, bits=2)
     ok = torch.full((4, 1, 8), 65504.0)
     ok[0] = -65504.0
     y = codec.decode(codec.encode(ok))
     assert torch.isfinite(y).all()
-    for bad in (float("nan"), float("inf"), 1e6):
-        x = torch.zeros(4, 1, 8)
-        x[1, 0, 3] = bad
-        with pytest.raises(ValueError, match="NaN, Inf"):
-            codec.encode(x)
 
 
 def test_kivi2_bits_are_honest():

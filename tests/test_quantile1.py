@@ -211,15 +211,6 @@ def test_huge_magnitudes_stay_finite(axis, bits):
     assert (y[::2] == -65504.0).all()
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 70000.0])
-def test_non_finite_input_is_refused(bad):
-    codec = QuantileCodec(8, 4)
-    x = torch.zeros(8, 1, 4)
-    x[3, 0, 2] = bad
-    with pytest.raises(ValueError, match="NaN, Inf"):
-        codec.encode(x)
-
-
 @pytest.mark.parametrize("kwargs,field", [
     ({"bits": 3}, "bits"), ({"bits": 0}, "bits"), ({"bits": 4}, "bits"), ({"bits": True}, "bits"),
     ({"alpha": 0.5}, "alpha"), ({"alpha": -0.01}, "alpha"), ({"alpha": float("nan")}, "alpha"),

@@ -140,17 +140,13 @@ def test_bits_are_honest():
     assert k.codebook_bytes == 8 * 2048 * 32 * 2  # per layer, outside the pages
 
 
-def test_nonfinite_refused_and_fp16_bound_kept():
+def test_fp16_bound_kept():
+    """The full fp16 range is kept (beyond it is refused: test_codec_contract.py)."""
     books = make_books(2, 16, 8, 16)
     codec = RVQValueCodec(4, 16, num_codebooks=2, codebook_size=16, group_size=8, codebook=books, layer=0)
     ok = torch.full((4, 1, 16), 65504.0)
     ok[:, :, ::2] = -65504.0  # population std 65504: still fits fp16
     assert bool(torch.isfinite(codec.decode(codec.encode(ok))).all())
-    for bad in (float("nan"), float("inf"), 1e6):
-        x = torch.zeros(4, 1, 16)
-        x[1, 0, 3] = bad
-        with pytest.raises(ValueError, match="NaN, Inf"):
-            codec.encode(x)
 
 
 def test_zero_std_is_coded_unscaled():

@@ -25,6 +25,15 @@ import torch
 FP16_MAX = 65504.0
 
 
+def require_fp16_range(x: torch.Tensor) -> None:
+    """Refuse a KV block the fp16 metadata cannot represent. One reduction catches NaN
+    (comparisons are false), Inf and fp16 overflow."""
+    if not bool((x.abs() <= FP16_MAX).all()):
+        raise ValueError(
+            "KV block contains NaN, Inf or a magnitude above 65504 (the fp16 metadata "
+            "range); refusing to encode it rather than store a wrong value")
+
+
 def require(cond: bool, field: str, allowed: str, got: object) -> None:
     """Raise the project's standard ValueError naming the field and its allowed values."""
     if not cond:
@@ -155,11 +164,7 @@ class BlockCodec(ABC):
         require(x.dim() >= 3 and x.shape[-3] == T and x.shape[-1] == D,
                 "x.shape", f"[..., {T}, kv_heads, {D}]", tuple(x.shape))
         x32 = x.float()
-        # One reduction catches NaN (comparisons are false), Inf and fp16 overflow.
-        if not bool((x32.abs() <= FP16_MAX).all()):
-            raise ValueError(
-                "KV block contains NaN, Inf or a magnitude above 65504 (the fp16 metadata "
-                "range); refusing to encode it rather than store a wrong value")
+        require_fp16_range(x32)
         lead, H = x.shape[:-3], x.shape[-2]
         groups = x32.movedim(-2, -3).reshape(-1, T, D)
         rel = None

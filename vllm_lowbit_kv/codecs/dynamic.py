@@ -93,7 +93,7 @@ from typing import NamedTuple
 
 import torch
 
-from .base import FP16_MAX, BlockCodec, Layout, require
+from .base import FP16_MAX, BlockCodec, Layout, require, require_fp16_range
 from .bitpack import from_bytes, pack_bits, packed_len, to_bytes, unpack_bits
 from .quant import dequantize, minmax_params, quantize
 
@@ -107,13 +107,6 @@ class RecorderState(NamedTuple):
 
     mean: torch.Tensor
     std: torch.Tensor
-
-
-def _check_finite(x: torch.Tensor) -> None:
-    if not bool((x.abs() <= FP16_MAX).all()):
-        raise ValueError(
-            "KV block contains NaN, Inf or a magnitude above 65504 (the fp16 metadata "
-            "range); refusing to encode it rather than store a wrong value")
 
 
 class DynamicCodec(BlockCodec):
@@ -304,7 +297,7 @@ class DynamicCodec(BlockCodec):
                 and blocks.shape[-1] == D,
                 "blocks.shape", f"[..., n_blocks, {T}, kv_heads, {D}]", tuple(blocks.shape))
         x32 = blocks.float()
-        _check_finite(x32)
+        require_fp16_range(x32)
         lead, N, H = x32.shape[:-4], x32.shape[-4], x32.shape[-2]
         # [..., N, T, H, D] -> [N, G, T, D] with G = prod(lead) * H
         xg = x32.movedim(-2, -3).movedim(-4, 0).reshape(N, -1, T, D)
