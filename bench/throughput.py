@@ -9,10 +9,10 @@ One server at a time (``python -m serving --kv-cache-dtype X --enforce-eager
 the same KV memory budget, ``--kv-cache-memory-bytes`` (the field
 ``VLLM_CPU_KVCACHE_SPACE`` fills, in bytes rather than whole GiB: 1 GiB holds
 46,592 bfloat16 tokens of SmolLM2, which would take ~20 concurrent long
-requests to fill, and today's pure-PyTorch decode of packed pages cannot serve
-4x that on 2 cores in useful time). The default budget holds about 1.6 of the
-workload's requests in bfloat16 and about 13 in vidkv (which then runs all 12
-at once), so bfloat16 is capacity-bound. The JSON and plot are rewritten after
+requests to fill, and 4x that would not run on 2 cores in useful time). The
+default budget holds about 1.6 of the workload's requests in bfloat16 and
+about 13 in vidkv (which then runs all 12 at once), so bfloat16 is
+capacity-bound. The JSON and plot are rewritten after
 every dtype (``complete`` says whether all ran).
 
 The workload is fixed by ``--seed``: ``--requests`` prompts of uniformly drawn
@@ -25,6 +25,15 @@ over the first send to the last token), peak and mean ``vllm:num_requests_runnin
 peak ``vllm:kv_cache_usage_perc``, preemptions, TTFT and TPOT (time per output
 token after the first) percentiles, and each as a ratio to bfloat16 at the same
 rate; per dtype: KV capacity in tokens (vLLM's, and ``/v1/kv_cache/stats``).
+
+Prefill floor. After the rates each server runs the same prompts once more,
+all at once, with one output token each (``prefill_only``): how long prefilling
+the workload takes on that server. No schedule can finish the full run (at
+rate ``inf``) sooner, so bfloat16's full-run time over a dtype's prefill time is
+the highest output tokens/s ratio that dtype could reach against bfloat16 even
+if its decode cost nothing (``output_ceiling_x_bf16``); bfloat16's own ceiling
+is what any format that prefills as fast as bfloat16 could reach. On a CPU,
+where prefill is compute-bound, this ceiling is what limits the output ratio.
 JSON (with the command) to ``--json``, a plot to ``--png``.
 """
 
@@ -210,7 +219,8 @@ PCT_RATIO_KEYS = ("ttft_s", "tpot_s", "e2e_s")
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Each figure over bfloat16's at the same rate (same run)."""
+    """Each figure over bfloat16's at the same rate (same run), and each dtype's ceiling
+    on the output ratio (module doc: prefill floor)."""
     ref = {str(p["rate"]): p for r in rows if r["dtype"] == REFERENCE and r["status"] == "ok"
            for p in r["points"]}
     ref_cap = next((r["capacity_tokens"] for r in rows if r["dtype"] == REFERENCE and r["status"] == "ok"),
@@ -219,6 +229,10 @@ def add_ratios(rows: list[dict]) -> None:
         if r["status"] != "ok":
             continue
         r["capacity_x_bf16"] = round(r["capacity_tokens"] / ref_cap, 4) if ref_cap else None
+        prefill_s = (r.get("prefill_only") or {}).get("seconds")
+        ref_all_at_once = ref.get("inf", {}).get("seconds")
+        r["output_ceiling_x_bf16"] = (round(ref_all_at_once / prefill_s, 4)
+                                      if prefill_s and ref_all_at_once else None)
         for p in r["points"]:
             b = ref.get(str(p["rate"]))
             if b is None:
@@ -260,6 +274,9 @@ def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]
             log(f"{dtype} rate {point['rate']}: {point['output_tokens_per_s']} tok/s, peak running "
                 f"{point['peak_running']}, TTFT p50 {point['ttft_s'] and point['ttft_s']['p50']} s, "
                 f"TPOT p50 {point['tpot_s'] and point['tpot_s']['p50']} s, errors {len(point['errors'])}")
+        floor = run_rate(server, prompts, 1, math.inf, args.seed)
+        row["prefill_only"] = {k: floor[k] for k in ("completed", "errors", "seconds", "ttft_s")}
+        log(f"{dtype} prefill only: {floor['seconds']} s for {floor['completed']} requests")
     finally:
         server.stop()
         row["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -273,13 +290,15 @@ def plot(rows: list[dict], path: str | Path, title: str) -> None:
     rates = [str(p["rate"]) for p in ok[0]["points"]] if ok else []
     panels = [("output_tokens_per_s", "output tokens/s", None), ("peak_running", "peak running requests", None),
               ("ttft_s", "TTFT p50 (s)", "p50"), ("tpot_s", "TPOT p50 (s)", "p50")]
-    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
+    fig, axes = plt.subplots(1, 5, figsize=(21, 4.2))
     width = 0.8 / max(1, len(ok))
+    others = [r["dtype"] for r in ok if r["dtype"] != REFERENCE]
+    color = {d: "black" if d == REFERENCE else f"C{others.index(d)}" for d in (r["dtype"] for r in ok)}
     for ax, (key, label, sub) in zip(axes, panels):
         for j, r in enumerate(ok):
             ys = [(p[key][sub] if sub else p[key]) if p.get(key) is not None else 0 for p in r["points"]]
             xs = [i + j * width for i in range(len(ys))]
-            bars = ax.bar(xs, ys, width, label=r["dtype"], color="black" if r["dtype"] == REFERENCE else None)
+            bars = ax.bar(xs, ys, width, label=r["dtype"], color=color[r["dtype"]])
             for b, p in zip(bars, r["points"]):
                 ratio = p.get("x_bf16", {}).get(f"{key}_p50" if sub else key)
                 if ratio is not None and r["dtype"] != REFERENCE:
@@ -289,6 +308,16 @@ def plot(rows: list[dict], path: str | Path, title: str) -> None:
                       [f"rate {x}/s" if x != "inf" else "all at once" for x in rates])
         ax.set_title(label, fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
+    floor = [r for r in ok if r.get("prefill_only")]
+    bars = axes[4].bar(range(len(floor)), [r["prefill_only"]["seconds"] or 0 for r in floor],
+                       color=[color[r["dtype"]] for r in floor])
+    for b, r in zip(bars, floor):
+        if r.get("output_ceiling_x_bf16") is not None:
+            axes[4].annotate(f"ceiling {r['output_ceiling_x_bf16']:.2f}x", (b.get_x() + b.get_width() / 2,
+                             b.get_height()), ha="center", va="bottom", fontsize=7)
+    axes[4].set_xticks(range(len(floor)), [r["dtype"] for r in floor], fontsize=7)
+    axes[4].set_title("prefill only, all at once (s); ceiling = bf16 full run / this", fontsize=9)
+    axes[4].grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     save(fig, path)
@@ -360,6 +389,10 @@ def format_table(result: dict) -> str:
                 f"{f(x.get('output_tokens_per_s'), '.2f'):>5} {p['peak_running']:>8.0f} "
                 f"{f(x.get('peak_running'), '.2f'):>5} {f(p['ttft_s'] and p['ttft_s']['p50'], '.2f'):>8} "
                 f"{f(p['tpot_s'] and p['tpot_s']['p50'], '.3f'):>8} {len(p['errors']):>3}")
+    for r in result["rows"]:
+        if r.get("prefill_only"):
+            lines.append(f"{r['dtype']:10} prefill only {r['prefill_only']['seconds']} s: output ceiling "
+                         f"{r.get('output_ceiling_x_bf16')}x bfloat16")
     return "\n".join(lines)
 
 
