@@ -201,3 +201,31 @@ def test_capacity_table_and_plot(tmp_path):
     assert "298,240" in table and "refused vidkv_stp: cannot serve: STP" in table
     capacity.plot(rows, tmp_path / "c.png", "t")
     assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_throughput_ratios_and_output_ceiling(tmp_path):
+    from bench import throughput
+
+    def point(rate, seconds, tok_s):
+        return dict(rate=rate, seconds=seconds, output_tokens_per_s=tok_s, peak_running=1.0,
+                    mean_running=1.0, requests_per_min=1.0, errors=[], ttft_s=dict(p50=2.0, p90=3.0),
+                    tpot_s=dict(p50=0.1, p90=0.2), e2e_s=None)
+
+    rows = [dict(dtype="bfloat16", status="ok", capacity_tokens=1000,
+                 points=[point(0.05, 200.0, 7.0), point("inf", 150.0, 10.0)],
+                 prefill_only=dict(seconds=60.0)),
+            dict(dtype="vidkv", status="ok", capacity_tokens=8000,
+                 points=[point(0.05, 210.0, 6.5), point("inf", 120.0, 12.5)],
+                 prefill_only=dict(seconds=100.0)),
+            dict(dtype="quantile1", status="refused", reason="no")]
+    throughput.add_ratios(rows)
+    bf16, vidkv = rows[0], rows[1]
+    # ceiling: bf16's all-at-once run over this dtype's prefill-only time
+    assert bf16["output_ceiling_x_bf16"] == 2.5 and vidkv["output_ceiling_x_bf16"] == 1.5
+    assert vidkv["capacity_x_bf16"] == 8.0
+    assert vidkv["points"][1]["x_bf16"]["output_tokens_per_s"] == 1.25
+    table = throughput.format_table(dict(rows=rows))
+    assert "vidkv      prefill only 100.0 s: output ceiling 1.5x bfloat16" in table
+    assert "quantile1  refused: no" in table
+    throughput.plot(rows, tmp_path / "t.png", "t")
+    assert (tmp_path / "t.png").stat().st_size > 1000
