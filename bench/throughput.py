@@ -225,12 +225,12 @@ def add_ratios(rows: list[dict]) -> None:
            for p in r["points"]}
     ref_cap = next((r["capacity_tokens"] for r in rows if r["dtype"] == REFERENCE and r["status"] == "ok"),
                    None)
+    ref_all_at_once = ref.get("inf", {}).get("seconds")
     for r in rows:
         if r["status"] != "ok":
             continue
         r["capacity_x_bf16"] = round(r["capacity_tokens"] / ref_cap, 4) if ref_cap else None
         prefill_s = (r.get("prefill_only") or {}).get("seconds")
-        ref_all_at_once = ref.get("inf", {}).get("seconds")
         r["output_ceiling_x_bf16"] = (round(ref_all_at_once / prefill_s, 4)
                                       if prefill_s and ref_all_at_once else None)
         for p in r["points"]:

@@ -39,6 +39,7 @@ import torch
 from ..codecs.kivi import KiviCodec
 from ..codecs.vidkv import TernaryValueCodec, VidKVKeyCodec, irfft_unique
 from ..model import cache_root
+from .page_format import attention_outputs
 
 logger = logging.getLogger("vllm.lowbit_kv.ops")
 
@@ -205,11 +206,11 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
     reason = load_library()
     if reason:
         raise RuntimeError(reason)
-    n, Hq, D = query.shape
+    out, lse, nothing = attention_outputs(query, q_start, group_table, out, lse)
+    if nothing:
+        return out, lse
     if query.stride(-1) != 1:
         query = query.contiguous()
-    out = torch.empty(n, Hq, D, dtype=torch.float32) if out is None else out
-    lse = torch.empty(n, Hq, dtype=torch.float32) if lse is None else lse
     as_long = lambda t: torch.as_tensor(t).to(torch.long).contiguous()  # noqa: E731
     torch.ops.lowbit_kv_cpu.packed_attention(
         query, as_long(q_start), layout._flat(pages), as_long(group_table),
