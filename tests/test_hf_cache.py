@@ -70,7 +70,8 @@ def run_chunked(model, ids, sizes, cache):
 @pytest.mark.parametrize("scheme,sink", [("kivi2", 0), ("kivi4", 5)])
 def test_update_stores_packed_blocks_and_exact_tail(scheme, sink):
     T = 16
-    cache = LowBitKVCache(scheme, tiny_config(), block_tokens=T, sink_tokens=sink, skip_layers={1})
+    cache = LowBitKVCache(scheme, tiny_config(), block_tokens=T, sink_tokens=sink, skip_layers={1},
+                          residual_tokens=0)
     kc, vc = get_scheme(scheme).codecs(D, T)
     g = torch.Generator().manual_seed(1)
     B, sizes = 2, [3, 40, 1, 1, 1, 17, 2, 30]
@@ -127,11 +128,44 @@ def test_decode_steps_fill_and_encode_tail():
 def test_attend_new_exact_false_reads_back_through_codec():
     T = 16
     cache = LowBitKVCache("kivi2", tiny_config(num_hidden_layers=1), block_tokens=T,
-                          attend_new_exact=False)
+                          attend_new_exact=False, residual_tokens=0)
     ks = torch.randn(1, H, 40, D)
     k_out, _ = cache.update(ks, ks, 0)
     assert torch.equal(k_out, cache.layers[0].decoded()[0])
     assert torch.equal(k_out[:, :, 32:], ks[:, :, 32:]) and not torch.equal(k_out[:, :, :32], ks[:, :, :32])
+
+
+@pytest.mark.parametrize("rotate", ["none", "hadamard"])
+def test_residual_window_is_read_exactly(rotate):
+    """The last residual_tokens // T encoded blocks are read from exact copies, the
+    earlier ones through the codec (rotated first with rotate=hadamard); the pages keep
+    every block."""
+    T, W = 16, 2
+    scheme = get_scheme("kivi2").with_params(rotate=rotate, block_tokens=T, residual_tokens=W * T)
+    cache = LowBitKVCache(scheme, tiny_config(num_hidden_layers=1), block_tokens=T)
+    g = torch.Generator().manual_seed(5)
+    ks = torch.randn(1, H, 90, D, generator=g).bfloat16()
+    for s, n in ((0, 40), (40, 1), (41, 30), (71, 19)):
+        k_out, _ = cache.update(ks[:, :, s:s + n], ks[:, :, s:s + n], 0)
+    layer = cache.layers[0]
+    assert layer.n_blocks == 90 // T and layer.n_window == W
+    k_seen, _ = layer.decoded()
+    packed = (90 // T - W) * T
+    kc, _ = scheme.codecs(D, T)
+    rot = scheme.rotation(D, 0)
+    blocks = ks[:, :, :packed].float()
+    if rot is not None:
+        blocks = rot.rotate(blocks)
+    blocks = blocks.reshape(1, H, packed // T, T, D).permute(0, 2, 3, 1, 4)
+    ref = kc.decode(kc.encode(blocks), torch.float32).permute(0, 3, 1, 2, 4).reshape(1, H, packed, D)
+    if rot is not None:
+        ref = rot.unrotate(ref)
+    torch.testing.assert_close(k_seen[:, :, :packed].float(), ref.bfloat16().float(), atol=0.02,
+                               rtol=0)
+    assert not torch.equal(k_seen[:, :, :packed], ks[:, :, :packed])
+    assert torch.equal(k_seen[:, :, packed:], ks[:, :, packed:])  # window and tail exact
+    rep = cache.memory_report()
+    assert rep["full_precision_bytes"] == 2 * 2 * H * D * (W * T + 90 % T)
 
 
 def test_refusals():
@@ -151,7 +185,8 @@ def test_all_layers_skipped_is_exact(model32):
     with torch.inference_mode():
         ref = model32(ids).logits.float()
     sizes = [37, 64, 1, 20, 1, 1, 26]
-    for kw in (dict(skip_layers=range(L)), dict(sink_tokens=1000), dict(block_tokens=4096)):
+    for kw in (dict(skip_layers=range(L)), dict(sink_tokens=1000),
+               dict(block_tokens=4096, residual_tokens=0)):
         cache = LowBitKVCache("kivi2", model32.config, **kw)
         got = run_chunked(model32, ids, sizes, cache)
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
@@ -167,7 +202,7 @@ def test_kivi4_logits_close_to_bf16(model16):
     ref = run_chunked(model16, ids, sizes, DynamicCache())
 
     def rel_err(scheme):
-        cache = LowBitKVCache(scheme, model=model16)
+        cache = LowBitKVCache(scheme, model=model16, residual_tokens=0)
         got = run_chunked(model16, ids, sizes, cache)
         assert cache.layers[0].n_blocks == 300 // 64
         return ((got - ref).norm() / ref.norm()).item()
@@ -180,7 +215,7 @@ def test_kivi4_logits_close_to_bf16(model16):
 
 def test_generate_and_memory(model16):
     ids = torch.randint(0, 256, (1, 100))
-    cache = LowBitKVCache("kivi2", model=model16)
+    cache = LowBitKVCache("kivi2", model=model16, residual_tokens=0)
     out = model16.generate(ids, past_key_values=cache, max_new_tokens=40, do_sample=False,
                            pad_token_id=0)
     assert out.shape == (1, 140)

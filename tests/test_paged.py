@@ -20,25 +20,26 @@ H, HQ, D = 3, 9, 64
 
 
 def make(scheme="kivi2", T=16, block_size=32, num_blocks=64, slots=8, sinks=0, q_heads=None,
-         **params):
+         window=0, **params):
     s = get_scheme(scheme)
     if params:
         s = s.with_params(**params)
     kc, vc = s.codecs(D, T)
-    layout = PagedLayout(kc, vc, H, block_size, sinks)
+    layout = PagedLayout(kc, vc, H, block_size, sinks, rotation=s.rotation(D, 0))
     pages = torch.zeros(layout.page_shape(num_blocks), dtype=torch.uint8)
     staging = Staging.allocate(slots, T, H, D, torch.bfloat16, q_heads)
-    return layout, pages, staging, StagingAllocator(slots, T, sinks)
+    return layout, pages, staging, StagingAllocator(slots, T, sinks, window)
 
 
-def fake_quant(layout, k_seq, v_seq, sinks=0, upto=None):
+def fake_quant(layout, k_seq, v_seq, sinks=0, upto=None, window=0):
     """Every group complete within the first ``upto`` tokens (default: all) through the
     codec (group 0's sink rows replaced by the mean of its other rows before encoding),
-    sink positions and the rest exact."""
+    except the last ``window`` of them (the residual window); sink positions and the rest
+    exact."""
     T = layout.T
     L = k_seq.shape[0] if upto is None else upto
     kk, vv = k_seq.float().clone(), v_seq.float().clone()
-    n = L // T
+    n = max(L // T - window, 0)
     if n:
         tk = k_seq[: n * T].float().reshape(n, T, H, D).clone()
         tv = v_seq[: n * T].float().reshape(n, T, H, D).clone()
@@ -121,10 +122,17 @@ def test_roundtrip_through_pages():
     assert torch.equal(dk4, ek)
 
 
-@pytest.mark.parametrize("scheme,sinks", [("kivi2", 0), ("kivi4", 0), ("vidkv", 3), ("kivi2", 16)])
-def test_chunked_prefill_and_decode_match_reference(scheme, sinks):
+@pytest.mark.parametrize("scheme,sinks,window,rotate", [
+    ("kivi2", 0, 0, "none"), ("kivi4", 0, 0, "none"), ("vidkv", 3, 0, "none"),
+    ("kivi2", 16, 0, "none"), ("kivi2", 0, 2, "none"), ("vidkv", 3, 1, "none"),
+    ("vidkv", 3, 3, "none"), ("kivi2", 0, 0, "hadamard"), ("vidkv", 3, 2, "hadamard")])
+def test_chunked_prefill_and_decode_match_reference(scheme, sinks, window, rotate):
+    """The packed groups read through the codec (rotated by the layout when it rotates:
+    the reference decodes back to the model's space), the window and tail exact."""
     torch.manual_seed(0)
-    layout, pages, staging, alloc = make(scheme, sinks=sinks)
+    layout, pages, staging, alloc = make(scheme, sinks=sinks, window=window,
+                                         slots=3 * (window + 1), rotate=rotate)
+    assert (layout.rotation is None) == (rotate == "none")
     T = layout.T
     scale = D ** -0.5
     lens = [70, 33, 5]
@@ -139,13 +147,24 @@ def test_chunked_prefill_and_decode_match_reference(scheme, sinks):
             k, v, q = (x[:L] for x in seqs[r])
             # the context as stored before this step: its complete groups through the
             # codec, its partial group exact (staged); the fresh tokens exact
-            kk, vv = fake_quant(layout, k, v, sinks, upto=L - n)
+            kk, vv = fake_quant(layout, k, v, sinks, upto=L - n, window=window)
             ref = attend(q[L - n:], kk, vv, L - n, scale)
             torch.testing.assert_close(out[qs[i]:qs[i + 1]], ref, atol=1e-4, rtol=0)
+        assert alloc.in_use <= len(seqs) * (window + 1)
 
     done, _ = run_schedule(layout, pages, staging, alloc, seqs, tables, schedule, on_step=check)
-    # live partial groups hold slots; nothing else
-    assert alloc.in_use == sum(1 for L in done if L % T)
+    # live partial groups and the window groups of each sequence hold slots; nothing else
+    assert alloc.in_use == sum(min(window, L // T) + (L % T > 0) for L in done)
+    # and the pages hold every complete group, window or not
+    for r, L in enumerate(done):
+        if L < T:
+            continue
+        g = torch.arange(L // T)
+        N = layout.groups_per_block
+        dk, _ = layout.decode(layout.read_states(pages, tables[r][g // N] * N + g % N))
+        kk, _ = fake_quant(layout, *seqs[r][:2], sinks, upto=L)
+        s = min(sinks, L // T * T)
+        torch.testing.assert_close(dk.reshape(-1, H, D)[s:], kk[s:L // T * T], atol=0, rtol=0)
 
 
 def test_sinks_survive_prefix_caching():
@@ -265,6 +284,76 @@ def test_stp_pages_equal_hf_yardstick(obs_window):
         ours_v = states[..., layout.k_bytes:layout.k_bytes + layout.v_bytes]
         assert torch.equal(ours_k, hf.packed_k[0]), r
         assert torch.equal(ours_v, hf.packed_v[0]), r
+
+
+def test_prefix_hit_inside_another_window_reads_the_pages():
+    """B hits A's cached blocks while they are still inside A's residual window: B reads
+    their packed bytes (only A reads its window copy), A keeps reading its copy."""
+    torch.manual_seed(4)
+    W = 2
+    layout, pages, staging, alloc = make("kivi2", window=W, slots=2 * (W + 1))
+    bs, T = layout.block_size, layout.T
+    L = 2 * bs
+    k, v, q = rnd(L + 3, H, D), rnd(L + 3, H, D), rnd(L + 3, HQ, D)
+    scale = D ** -0.5
+    # A: prompt of two full blocks 3, 9 in one step; its last W groups stay staged
+    wp, rp = alloc.plan_step(torch.cat([3 * bs + torch.arange(bs), 9 * bs + torch.arange(bs)]),
+                             [L], [0, L], torch.tensor([[3, 9]]), layout.groups_per_block,
+                             owners=["A"])
+    forward_layer(wp, rp, layout, q[:L], k[:L], v[:L], pages, staging, scale,
+                  torch.zeros(L, HQ, D))
+    assert alloc.in_use == W
+    # one step, both: A decodes its next token (block 12), B hits blocks 3, 9 and
+    # prefills 3 tokens of its own (block 11)
+    fresh = slice(L, L + 3)
+    slots = torch.cat([torch.tensor([12 * bs]), 11 * bs + torch.arange(3)])
+    wp, rp = alloc.plan_step(slots, [L + 1, L + 3], [0, 1, 4],
+                             torch.tensor([[3, 9, 12], [3, 9, 11]]), layout.groups_per_block,
+                             owners=["A", "B"])
+    assert rp.window_slots[0] != [] and rp.window_slots[1] == []
+    out = torch.zeros(4, HQ, D)
+    forward_layer(wp, rp, layout, torch.cat([q[L:L + 1], q[fresh]]),
+                  torch.cat([k[L:L + 1], k[fresh]]), torch.cat([v[L:L + 1], v[fresh]]),
+                  pages, staging, scale, out)
+    kk, vv = fake_quant(layout, k[:L], v[:L])  # every group through the codec
+    for rows, window in ((slice(0, 1), W), (slice(1, 4), 0)):
+        ka, va = fake_quant(layout, k[:L], v[:L], window=window)
+        n = rows.stop - rows.start
+        ka = torch.cat([ka, (k[L:L + 1] if n == 1 else k[fresh])])
+        va = torch.cat([va, (v[L:L + 1] if n == 1 else v[fresh])])
+        ref = attend(q[L:L + 1] if n == 1 else q[fresh], ka, va, L, scale)
+        torch.testing.assert_close(out[rows], ref, atol=1e-4, rtol=0)
+    # B's read differs from A's window copy: the packed bytes, not bf16
+    assert not torch.allclose(kk[L - W * T:], k[L - W * T:L], atol=1e-3)
+
+
+def test_window_slides_and_ended_requests_return_every_slot():
+    """Decode moves groups out of the window (their slots return in the same step); an
+    ended (finished, aborted or preempted) request returns its window and partial group."""
+    W = 2
+    layout, pages, staging, alloc = make("kivi2", window=W, slots=W + 1)
+    bs, T = layout.block_size, layout.T
+    table = torch.tensor([[5, 6, 7, 8]])
+    L = 0
+    for n in [40, 1, 1, 30, 33, 1, 1]:  # never more than W + 1 slots
+        pos = torch.arange(L, L + n)
+        L += n
+        wp, rp = alloc.plan_step(table[0][pos // bs] * bs + pos % bs, [L], [0, n], table,
+                                 layout.groups_per_block, owners=["A"])
+        assert alloc.in_use == min(W, L // T) + (L % T > 0)
+    assert alloc.release_blocks(table[0].tolist(), layout.groups_per_block) == W + 1
+    assert alloc.in_use == 0 and alloc.owned == {}
+
+
+def test_release_window_keeps_the_partial_group():
+    layout, pages, staging, alloc = make("kivi2", window=2, slots=3)
+    bs = layout.block_size
+    alloc.plan_step(5 * bs + torch.arange(40), [40], [0, 40], torch.tensor([[5, 6]]),
+                    layout.groups_per_block, owners=["A"])
+    assert alloc.in_use == 3 and alloc.release_window("A") == 2 and alloc.in_use == 1
+    _, rp = alloc.plan_step(torch.tensor([5 * bs + 40]), [41], [0, 1], torch.tensor([[5, 6]]),
+                            layout.groups_per_block, owners=["A"])
+    assert rp.window_slots == [[]] and int(rp.num_groups[0]) == 2
 
 
 def test_release_before_take_one_slot_per_request():

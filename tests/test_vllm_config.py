@@ -23,7 +23,8 @@ def test_fields_cover_every_codec_parameter():
         for spec in (s.key, s.value):
             params |= {p for p in inspect.signature(spec.cls.__init__).parameters
                        if spec.accepts(p)}
-    cache = {"block_tokens", "sink_tokens", "skip_layers", "obs_window", "attention_impl"}
+    cache = {"block_tokens", "sink_tokens", "residual_tokens", "page_tokens", "rotate", "rotate_seed",
+             "skip_layers", "obs_window", "attention_impl"}
     eviction = {"eviction", "retention", "eviction_gamma", "eviction_sinks", "recent_window",
                 "eviction_layer_cap"}
     assert set(LowBitKVConfig.model_fields) == params | cache | eviction
@@ -38,6 +39,15 @@ def test_fields_cover_every_codec_parameter():
     ({"one_bit": "x"}, "vidkv", r"field 'one_bit': Input should be 'mean', 'sign' or 'minmax'"),
     ({"bits": True}, "kivi2", r"field 'bits': Input should be a valid integer, got True"),
     ({"sink_tokens": -1}, "vidkv", r"field 'sink_tokens': Input should be greater than or equal to 0"),
+    ({"residual_tokens": 100}, "vidkv",
+     r"residual_tokens must be a multiple of block_tokens \(64\) in \[0, 1024\] \(0: no window\), got 100"),
+    ({"residual_tokens": 2048}, "kivi2", r"field 'residual_tokens': Input should be less than or equal to 1024"),
+    ({"residual_tokens": -64}, "kivi2", r"field 'residual_tokens': Input should be greater than or equal to 0"),
+    ({"block_tokens": 96}, "kivi2", r"residual_tokens must be a multiple of block_tokens \(96\)"),
+    ({"rotate": "dct"}, "kivi2", r"field 'rotate': Input should be 'none' or 'hadamard'"),
+    ({"page_tokens": 100}, "vidkv", r"page_tokens must be a multiple of block_tokens \(64\) in \[64, 8192\], got 100"),
+    ({"page_tokens": 16384}, "vidkv", r"field 'page_tokens': Input should be less than or equal to 8192"),
+    ({"rotate_seed": "x"}, "kivi2", r"field 'rotate_seed': Input should be a valid integer"),
     ({"skip_layers": [-2]}, "vidkv", r"field 'skip_layers': layer indices must be >= 0"),
     ({"block_tokens": 0}, "vidkv", r"field 'block_tokens': Input should be greater than or equal to 1"),
     ({"ema": 0.9}, "dynamic4", r"ema must be 0 for --kv-cache-dtype dynamic4 in the vLLM backend"),

@@ -20,6 +20,19 @@ Cache layout (any scheme):
   dtype (attention sinks), at most ``block_tokens``; costs
   ``2 * sink_tokens * head_dim`` model-dtype elements per KV head in every
   page (see :mod:`vllm_lowbit_kv.paged`).
+* ``residual_tokens``: the most recent tokens of every sequence (a multiple of
+  ``block_tokens``, at most 1024; 0: none) read in the model dtype, KIVI's and
+  VidKV's full-precision residual (R = 128 by default). The pages are still
+  written as groups fill; the window is a model-dtype copy beside them that only
+  the sequence that wrote it reads (:mod:`vllm_lowbit_kv.paged`), counted in
+  ``effective_bits_at`` and inside the KV budget.
+* ``page_tokens``: tokens per vLLM page (block) when ``--block-size`` is not
+  given (a multiple of ``block_tokens``; default: 512 rounded up to one). Every
+  page carries the sink area, so larger pages make sinks cheap;
+  ``effective_bits_at`` counts pages of this size.
+* ``rotate``: ``none`` or ``hadamard``: multiply K and V head vectors by a fixed
+  randomized Hadamard matrix (per layer, signs from ``rotate_seed``) before
+  encoding (:mod:`vllm_lowbit_kv.rotation`); attention stays exact in math.
 * ``skip_layers``: layer indices kept entirely in the model dtype (bf16 pages of
   their own size, vLLM's own attention).
 * ``obs_window``: queries in the STP observation window (relevance schemes such
@@ -78,7 +91,9 @@ from .codecs.rvq import GROUPINGS
 from .eviction.policies import DEFAULT_GAMMA, DEFAULT_RECENT_WINDOW, DEFAULT_SINK_TOKENS, POLICIES
 from .codecs.vidkv import ONE_BIT_MODES
 from .ops import CHOICES as ATTENTION_IMPLS
-from .schemes import KVScheme, get_scheme
+from .rotation import ROTATIONS
+from .schemes import CACHE_FIELDS as SCHEME_CACHE_FIELDS
+from .schemes import MAX_PAGE_TOKENS, MAX_RESIDUAL_TOKENS, KVScheme, get_scheme
 
 #: key of vLLM's ``--additional-config`` object holding our configuration
 ADDITIONAL_CONFIG_KEY = "lowbit_kv"
@@ -86,7 +101,7 @@ DEFAULT_OBS_WINDOW = 32
 
 EVICTION_FIELDS = ("eviction", "retention", "eviction_gamma", "eviction_sinks", "recent_window",
                    "eviction_layer_cap")
-CACHE_FIELDS = ("block_tokens", "sink_tokens", "skip_layers", "obs_window", *EVICTION_FIELDS)
+CACHE_FIELDS = (*SCHEME_CACHE_FIELDS, "skip_layers", "obs_window", *EVICTION_FIELDS)
 DEFAULT_LAYER_CAP = 2.0
 KERNEL_FIELDS = ("attention_impl",)
 
@@ -105,6 +120,12 @@ class LowBitKVConfig(BaseModel):
                                      description="tokens per quantization group")
     sink_tokens: int | None = Field(None, ge=0, le=4096,
                                     description="first tokens of a sequence kept exact")
+    residual_tokens: int | None = Field(None, ge=0, le=MAX_RESIDUAL_TOKENS,
+                                        description="most recent tokens read in the model dtype")
+    page_tokens: int | None = Field(None, ge=1, le=MAX_PAGE_TOKENS,
+                                    description="tokens per vLLM page unless --block-size is given")
+    rotate: Literal[ROTATIONS] | None = None  # type: ignore[valid-type]
+    rotate_seed: int | None = None
     skip_layers: list[int] = Field(default_factory=list,
                                    description="layer indices kept in the model dtype")
     obs_window: int = Field(DEFAULT_OBS_WINDOW, ge=1, le=4096,
@@ -234,10 +255,8 @@ class LowBitKVConfig(BaseModel):
         except ValueError as e:
             raise LowBitKVConfigError(str(e)) from None
         params = self.codec_params()
-        if self.block_tokens is not None:
-            params["block_tokens"] = self.block_tokens
-        if self.sink_tokens is not None:
-            params["sink_tokens"] = self.sink_tokens
+        params.update({f: getattr(self, f) for f in SCHEME_CACHE_FIELDS
+                       if getattr(self, f) is not None})
         kc, vc = base.codecs(head_dim=64)
         if any(hasattr(c, "encode_stream") for c in (kc, vc)):
             ema = params.get("ema", 0.0)

@@ -22,13 +22,19 @@ Storage, per layer and per sequence (tokens in position order)::
   (block, head)).
 * The incomplete last block (the tail) stays in the model dtype; it is encoded
   as soon as it fills, whether by a prefill chunk or by decode steps.
+* Residual window (the scheme's ``residual_tokens`` R, KIVI's and VidKV's
+  full-precision residual): the last ``R / block_tokens`` encoded blocks are
+  also kept exactly, and attention reads those copies instead of their codes,
+  as the vLLM backend does (:mod:`vllm_lowbit_kv.paged`).
+* Rotation (the scheme's ``rotate``): blocks are rotated per layer before
+  encoding and un-rotated after decoding (:mod:`vllm_lowbit_kv.rotation`).
 * Layers in ``skip_layers`` keep everything in the model dtype.
 * Codecs with per-sequence state (``encode_stream(blocks, state) -> (packed,
   state)``, e.g. the dynamic scheme's EMA recorders) get their blocks in
   order with the state threaded per layer; each block still decodes alone.
 
-What attention sees: ``update`` returns ``sinks ++ decode(packed blocks) ++
-tail``. The tokens written by the current forward are attended at model
+What attention sees: ``update`` returns ``sinks ++ decode(packed blocks before
+the window) ++ window ++ tail``. The tokens written by the current forward are attended at model
 precision in that forward (``attend_new_exact=True``, the default, as in KIVI /
 VidKV Algorithm 1 and a fused kernel that attends the chunk it just wrote);
 every later forward sees them through the codec once their block is full.
@@ -80,6 +86,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .codecs.base import BlockCodec, ModelIdentity, require
+from .rotation import HadamardRotation
 from .schemes import KVScheme, get_scheme
 
 if TYPE_CHECKING:
@@ -190,8 +197,15 @@ class LowBitLayer(DynamicLayer):
 
     def __init__(self, layer_idx: int, key_codec: BlockCodec | None, value_codec: BlockCodec | None,
                  block_tokens: int, sink_tokens: int = 0, relevance: str | RelevanceFn = "none",
-                 obs_window: int = 32, attend_new_exact: bool = True, evictable: bool = False):
+                 obs_window: int = 32, attend_new_exact: bool = True, evictable: bool = False,
+                 residual_tokens: int = 0, rotation: HadamardRotation | None = None):
         super().__init__()
+        require(isinstance(residual_tokens, int) and residual_tokens >= 0
+                and (residual_tokens == 0 or residual_tokens % block_tokens == 0), "residual_tokens",
+                f"a multiple of block_tokens ({block_tokens}), >= 0", residual_tokens)
+        #: complete groups of the residual window, read exactly instead of their codes
+        self.window_groups = residual_tokens // block_tokens if residual_tokens else 0
+        self.rotation = rotation
         self.layer_idx = layer_idx
         self.evictable = evictable
         self.key_codec, self.value_codec = key_codec, value_codec
@@ -207,6 +221,7 @@ class LowBitLayer(DynamicLayer):
         self.length = 0
         self.sink_k = self.sink_v = None
         self.packed_k = self.packed_v = None  # uint8 [B, n_blocks, H, nbytes]
+        self.window_k = self.window_v = None  # exact copies of the last window_groups blocks
         self.q_obs: torch.Tensor | None = None  # float32 [B, Hq, w, D]
         self.q_first = 0
         self.q_scale = 1.0
@@ -247,6 +262,9 @@ class LowBitLayer(DynamicLayer):
         if self.packed_k is not None:
             self.packed_k = self.packed_k.index_select(0, idx)
             self.packed_v = self.packed_v.index_select(0, idx)
+        if self.window_k is not None:
+            self.window_k = self.window_k.index_select(0, idx)
+            self.window_v = self.window_v.index_select(0, idx)
         if self.q_obs is not None:
             self.q_obs = self.q_obs.index_select(0, idx)
         self.exact_k = [t.index_select(0, idx) for t in self.exact_k]
@@ -315,6 +333,8 @@ class LowBitLayer(DynamicLayer):
 
     # -- blocks <-> [B, H, S, D] ------------------------------------------------
     def _encode(self, which: str, codec: BlockCodec, x: torch.Tensor, rel: torch.Tensor | None) -> torch.Tensor:
+        if self.rotation is not None:
+            x = self.rotation.rotate(x.float())
         B, H, S, D = x.shape
         n, T = S // self.block_tokens, self.block_tokens
         blocks = x.reshape(B, H, n, T, D).permute(0, 2, 3, 1, 4)  # [B, n, T, H, D]
@@ -328,15 +348,27 @@ class LowBitLayer(DynamicLayer):
 
     def _decode(self, codec: BlockCodec, packed: torch.Tensor) -> torch.Tensor:
         B, n, H, _ = packed.shape
-        x = codec.decode(packed, self.dtype)  # [B, n, T, H, D]
+        x = codec.decode(packed, self.dtype if self.rotation is None else torch.float32)
+        if self.rotation is not None:
+            x = self.rotation.unrotate(x).to(self.dtype)
         return x.permute(0, 3, 1, 2, 4).reshape(B, H, n * self.block_tokens, codec.head_dim)
 
+    @property
+    def n_window(self) -> int:
+        """Encoded blocks read from their exact copies (the residual window)."""
+        return min(self.window_groups, self.n_blocks)
+
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every cached token as attention sees it: sinks ++ decode(blocks) ++ tail."""
+        """Every cached token as attention sees it: sinks ++ decode(blocks before the
+        window) ++ the window's blocks exact ++ tail."""
         ks, vs = [self.sink_k], [self.sink_v]
-        if self.packed_k is not None:
-            ks.append(self._decode(self.key_codec, self.packed_k))
-            vs.append(self._decode(self.value_codec, self.packed_v))
+        n_packed = self.n_blocks - self.n_window
+        if n_packed:
+            ks.append(self._decode(self.key_codec, self.packed_k[:, :n_packed]))
+            vs.append(self._decode(self.value_codec, self.packed_v[:, :n_packed]))
+        if self.n_window:
+            ks.append(self.window_k)
+            vs.append(self.window_v)
         ks.append(self.keys)
         vs.append(self.values)
         return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
@@ -387,6 +419,12 @@ class LowBitLayer(DynamicLayer):
                               rel if self.value_codec.uses_relevance else None)
             self.packed_k = pk if self.packed_k is None else torch.cat([self.packed_k, pk], dim=1)
             self.packed_v = pv if self.packed_v is None else torch.cat([self.packed_v, pv], dim=1)
+            if self.window_groups:
+                keep = self.window_groups * self.block_tokens
+                self.window_k = torch.cat([x for x in (self.window_k, self.keys[:, :, :m])
+                                           if x is not None], dim=-2)[:, :, -keep:].clone()
+                self.window_v = torch.cat([x for x in (self.window_v, self.values[:, :, :m])
+                                           if x is not None], dim=-2)[:, :, -keep:].clone()
             self.keys = self.keys[:, :, m:].clone()
             self.values = self.values[:, :, m:].clone()
             if not self.attend_new_exact:
@@ -433,7 +471,9 @@ class LowBitLayer(DynamicLayer):
         D = self.keys.shape[-1]
         packed_tokens = self.n_blocks * self.block_tokens
         packed = 0 if self.packed_k is None else self.packed_k.numel() + self.packed_v.numel()
-        fp = sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.keys, self.values))
+        fp = sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.keys, self.values,
+                                                         self.window_k, self.window_v)
+                 if t is not None)
         stored = self.sink_k.shape[-2] + packed_tokens + self.keys.shape[-2]
         return dict(tokens=self.length, stored_tokens=stored, packed_tokens=packed_tokens, packed_bytes=packed,
                     full_precision_bytes=fp, total_bytes=packed + fp,
@@ -449,7 +489,7 @@ class LowBitKVCache(Cache):
         model_config: the model's config (``num_hidden_layers``, ``num_key_value_heads``,
             ``head_dim``); taken from ``model.config`` when omitted.
         model: the model; enables ``relevance="attention"`` (installs the query hooks).
-        block_tokens, sink_tokens: override the scheme's defaults.
+        block_tokens, sink_tokens, residual_tokens: override the scheme's defaults.
         skip_layers: layer indices kept entirely in the model dtype.
         relevance: ``"auto"`` (attention if ``model`` is given, else keynorm),
             ``"attention"``, ``"keynorm"``, ``"none"`` or a :data:`RelevanceFn`; used only
@@ -461,7 +501,7 @@ class LowBitKVCache(Cache):
 
     def __init__(self, scheme: str | KVScheme, model_config: Any = None, *,
                  model: torch.nn.Module | None = None, block_tokens: int | None = None,
-                 sink_tokens: int | None = None, skip_layers: Iterable[int] = (),
+                 sink_tokens: int | None = None, residual_tokens: int | None = None, skip_layers: Iterable[int] = (),
                  relevance: str | RelevanceFn = "auto", obs_window: int = 32,
                  attend_new_exact: bool = True, evictable: bool = False):
         self.scheme = get_scheme(scheme) if isinstance(scheme, str) else scheme
@@ -482,6 +522,8 @@ class LowBitKVCache(Cache):
             (self.scheme.sink_tokens if self.scheme else 0)
         require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
                 "sink_tokens", "an int >= 0", self.sink_tokens)
+        self.residual_tokens = residual_tokens if residual_tokens is not None else \
+            (self.scheme.residual_tokens if self.scheme else 0)
         self.skip_layers = frozenset(int(i) for i in skip_layers)
         require(all(0 <= i < n_layers for i in self.skip_layers), "skip_layers",
                 f"indices in [0, {n_layers})", sorted(self.skip_layers))
@@ -502,8 +544,11 @@ class LowBitKVCache(Cache):
                 kc = vc = None
             else:  # codecs built per layer: a codec may keep per-layer state (codebooks)
                 kc, vc = self.scheme.codecs(head_dim, self.block_tokens, layer=i)
-            layers.append(LowBitLayer(i, kc, vc, self.block_tokens, self.sink_tokens, relevance,
-                                      obs_window, attend_new_exact, evictable))
+            layers.append(LowBitLayer(
+                i, kc, vc, self.block_tokens, self.sink_tokens, relevance, obs_window,
+                attend_new_exact, evictable,
+                self.residual_tokens if kc is not None else 0,
+                self.scheme.rotation(head_dim, i) if kc is not None else None))
         self.records_queries = any(layer.wants_queries for layer in layers)
         if self.records_queries:
             require(model is not None, "model", "given for relevance='attention'", None)

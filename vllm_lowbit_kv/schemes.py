@@ -21,6 +21,20 @@ from .codecs.kivi import KiviCodec
 from .codecs.quantile1 import QuantileCodec
 from .codecs.rvq import RVQKeyCodec, RVQValueCodec
 from .codecs.vidkv import TernaryValueCodec, VidKVKeyCodec
+from .rotation import ROTATIONS, HadamardRotation
+
+#: KIVI's and VidKV's full-precision residual (R = 128 tokens)
+DEFAULT_RESIDUAL_TOKENS = 128
+#: largest residual window (tokens): staging holds it for every running sequence
+MAX_RESIDUAL_TOKENS = 1024
+#: tokens per vLLM page (block) by default: the sink area, which every page carries
+#: (paged.py), is paid once per page, so larger pages make sinks cheap
+DEFAULT_PAGE_TOKENS = 512
+#: largest page (tokens)
+MAX_PAGE_TOKENS = 8192
+#: fields of a scheme that shape the cache rather than a codec
+CACHE_FIELDS = ("block_tokens", "sink_tokens", "residual_tokens", "page_tokens", "rotate",
+                "rotate_seed")
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,15 @@ class KVScheme:
     block_tokens: int = 64
     #: first tokens of every sequence kept in bf16 (attention sinks)
     sink_tokens: int = 0
+    #: the most recent tokens read in the model dtype (KIVI's residual R), beside the pages
+    residual_tokens: int = DEFAULT_RESIDUAL_TOKENS
+    #: tokens per vLLM page when --block-size is not given (a multiple of block_tokens);
+    #: None: the smallest multiple of block_tokens >= DEFAULT_PAGE_TOKENS
+    page_tokens: int | None = None
+    #: rotation of head vectors before encoding: "none" or "hadamard" (rotation.py)
+    rotate: str = "none"
+    #: seed of the rotation's random signs (drawn per layer)
+    rotate_seed: int = 0
 
     def codecs(self, head_dim: int, block_tokens: int | None = None, layer: int | None = None
                ) -> tuple[BlockCodec, BlockCodec]:
@@ -68,6 +91,41 @@ class KVScheme:
         return (k.effective_bits + v.effective_bits) / 2
 
     @property
+    def staged_groups(self) -> int:
+        """Groups per running sequence held in the model dtype beside the pages: the
+        residual window's groups and the partial last group."""
+        return self.residual_tokens // self.block_tokens + 1
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per vLLM page (``--block-size``) unless the user sets one."""
+        T = self.block_tokens
+        return self.page_tokens or -(-DEFAULT_PAGE_TOKENS // T) * T
+
+    def effective_bits_at(self, context_tokens: int, head_dim: int, block_size: int | None = None,
+                          model_dtype_bytes: int = 2) -> float:
+        """Honest bits per element of one sequence of ``context_tokens`` tokens: every page
+        byte of its blocks of ``block_size`` tokens (default :attr:`page_size`; sink area
+        and padding included) plus its staging (residual window and partial group,
+        :attr:`staged_groups` groups in the model dtype, as allocated), over its K and V
+        elements."""
+        from .paged import PagedLayout
+
+        T = self.block_tokens
+        block_size = block_size or self.page_size
+        kc, vc = self.codecs(head_dim)
+        layout = PagedLayout(kc, vc, 1, block_size, self.sink_tokens)
+        blocks = -(-context_tokens // block_size)
+        staged = self.staged_groups * T * 2 * head_dim * model_dtype_bytes
+        return (blocks * layout.page_bytes + staged) * 8 / (context_tokens * 2 * head_dim)
+
+    def rotation(self, head_dim: int, layer: int | None) -> HadamardRotation | None:
+        """The head-vector rotation of ``layer`` (None: not rotated)."""
+        if self.rotate == "none":
+            return None
+        return HadamardRotation(head_dim, layer or 0, self.rotate_seed)
+
+    @property
     def uses_relevance(self) -> bool:
         """True when a codec protects tokens by relevance (STP), so callers supply scores."""
         return any(c.uses_relevance for c in self.codecs(head_dim=64))
@@ -79,7 +137,7 @@ class KVScheme:
         does, to every codec that accepts it (e.g. ``protect`` on vidkv reaches
         the value codec only, as in the paper's STP).
         """
-        cache_fields = {"block_tokens", "sink_tokens"}
+        cache_fields = set(CACHE_FIELDS)
         scheme_kw = {k: v for k, v in overrides.items() if k in cache_fields}
         key_p, value_p = dict(self.key.params), dict(self.value.params)
         for name, val in overrides.items():
@@ -104,7 +162,20 @@ class KVScheme:
         """Build both codecs once so that every parameter is range-checked."""
         require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
                 "sink_tokens", "an int >= 0", self.sink_tokens)
-        self.codecs(head_dim)
+        self.codecs(head_dim)  # validates block_tokens and the codec parameters
+        T = self.block_tokens
+        require(isinstance(self.residual_tokens, int) and 0 <= self.residual_tokens
+                <= MAX_RESIDUAL_TOKENS and self.residual_tokens % T == 0, "residual_tokens",
+                f"a multiple of block_tokens ({T}) in [0, {MAX_RESIDUAL_TOKENS}] (0: no window)",
+                self.residual_tokens)
+        require(self.page_tokens is None or (isinstance(self.page_tokens, int) and
+                0 < self.page_tokens <= MAX_PAGE_TOKENS and self.page_tokens % T == 0),
+                "page_tokens", f"a multiple of block_tokens ({T}) in [{T}, {MAX_PAGE_TOKENS}]",
+                self.page_tokens)
+        require(self.rotate in ROTATIONS, "rotate", f"one of {list(ROTATIONS)}", self.rotate)
+        require(isinstance(self.rotate_seed, int), "rotate_seed", "an int", self.rotate_seed)
+        if self.rotate != "none":
+            HadamardRotation(head_dim)
 
 
 SCHEMES: dict[str, KVScheme] = {}
@@ -150,10 +221,10 @@ for _bits in (4, 2):
                       CodecSpec(DynamicCodec, {"bits": _bits, "axis": "token"})))
 
 # RVQ (seed 001): the paper's K=8 x C=2048 and smaller quantizers down to about 1 bit.
-# Bits at head_dim 64 (indices + fp16 std per token): 3.0, 2.25, 1.25, 0.75. Every one
+# Bits at head_dim 64 (indices + fp16 std per token): 3.0, 2.25, 1.75, 1.25, 0.75. Every one
 # needs a codebook file (lowbit_kv field ``codebook``; python -m vllm_lowbit_kv.calibrate).
-for _name, _k, _c in (("rvq", 8, 2048), ("rvq8x256", 8, 256), ("rvq4x256", 4, 256),
-                      ("rvq2x256", 2, 256)):
+for _name, _k, _c in (("rvq", 8, 2048), ("rvq8x256", 8, 256), ("rvq6x256", 6, 256),
+                      ("rvq4x256", 4, 256), ("rvq2x256", 2, 256)):
     _rvq = {"num_codebooks": _k, "codebook_size": _c}
     register(KVScheme(_name, f"RVQ {_k} codebooks x {_c} codes per 32-channel group, std-scaled "
                              "(K strided groups, V contiguous; learned codebooks, seed 001)",

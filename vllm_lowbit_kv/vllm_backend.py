@@ -89,9 +89,24 @@ def resolve_config(vllm_config: "VllmConfig | None" = None) -> LowBitKVConfig:
 
 
 def staging_slots(vllm_config: "VllmConfig") -> int:
-    """One staging slot per running request: a request has at most one partial group,
-    and the slots of ended/preempted requests are returned before the next step."""
-    return int(vllm_config.scheduler_config.max_num_seqs)
+    """Staging slots per layer: the residual window's groups and the partial group of
+    every running request (:class:`~vllm_lowbit_kv.paged.StagingAllocator`); the slots of
+    ended/preempted requests are returned before the next step."""
+    return int(vllm_config.scheduler_config.max_num_seqs) * resolve_scheme(vllm_config).staged_groups
+
+
+def staging_bytes(vllm_config: "VllmConfig") -> int:
+    """Bytes of staging in all packed layers of this worker (K and V, and for STP the
+    queries), which come out of the KV cache budget."""
+    scheme, cfg = _resolve(vllm_config)
+    mc, par = vllm_config.model_config, vllm_config.parallel_config
+    rows = 2 * mc.get_num_kv_heads(par)
+    if scheme.uses_relevance:  # STP keeps the staged tokens' queries too
+        rows += mc.get_num_attention_heads(par)
+    layers = mc.get_total_num_hidden_layers() - len(cfg.skip_layers)
+    elt = torch.empty(0, dtype=mc.dtype).element_size()
+    return (staging_slots(vllm_config) * scheme.block_tokens * rows * mc.get_head_size() * elt
+            * layers)
 
 
 def check_vllm_config(vllm_config: "VllmConfig") -> None:
@@ -126,6 +141,9 @@ def check_vllm_config(vllm_config: "VllmConfig") -> None:
         reasons.append("MLA attention: not supported")
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding: not supported")
+    if not cache_config.user_specified_block_size:
+        # the scheme's page (vLLM's CPU platform would pick 128): one sink area per page
+        cache_config.block_size = scheme.page_size
     num_layers = model_config.get_total_num_hidden_layers()
     head_dim = model_config.get_head_size()
     model = ModelIdentity.of(model_config.model, num_layers, model_config.get_total_num_kv_heads(),
@@ -238,7 +256,8 @@ def _layout(scheme: KVScheme, head_size: int, num_kv_heads: int, block_size: int
     """The page layout; codecs with per-layer state (RVQ codebooks) need ``layer`` to
     code, the byte layout is the same for every layer."""
     kc, vc = scheme.codecs(head_size, layer=layer)
-    return PagedLayout(kc, vc, num_kv_heads, block_size, scheme.sink_tokens, dtype)
+    return PagedLayout(kc, vc, num_kv_heads, block_size, scheme.sink_tokens, dtype,
+                       scheme.rotation(head_size, layer))
 
 
 def _model_dtype() -> torch.dtype:
@@ -316,12 +335,15 @@ _hook_installed = False
 
 
 def _install_request_end_hook() -> None:
-    """Wrap the model runner's ``_update_states`` to free ended requests' staging slots.
+    """Wrap the model runner's ``_update_states`` to free ended requests' staging slots
+    and to tell the builders whose request each row of the step is.
 
     vLLM's scheduler output lists the requests finished (or aborted) since the
     last step and those preempted in this step; the runner still holds their
-    block ids when ``_update_states`` starts. Only installed in processes that
-    build a LOWBIT_KV backend; it does nothing when no builder is alive.
+    block ids when ``_update_states`` starts. When it returns, the input batch is
+    in the order of the step's rows (reordering included), so ``req_ids`` names
+    the owner of each row's staged window. Only installed in processes that build
+    a LOWBIT_KV backend; it does nothing when no builder is alive.
     """
     global _hook_installed
     if _hook_installed:
@@ -330,7 +352,7 @@ def _install_request_end_hook() -> None:
 
     original = GPUModelRunner._update_states
 
-    def _update_states(self, scheduler_output):
+    def _release_ended(self, scheduler_output):
         if _BUILDERS:
             ended = set(scheduler_output.finished_req_ids)
             ended |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
@@ -349,8 +371,46 @@ def _install_request_end_hook() -> None:
             vllm_eviction.compact_ordered(self, scheduler_output, _BUILDERS)
         return original(self, scheduler_output)
 
+    def _update_states(self, scheduler_output):
+        result = _release_ended(self, scheduler_output)
+        if _BUILDERS:  # row r of this step's metadata is input_batch.req_ids[r]
+            owners = list(self.input_batch.req_ids[:self.input_batch.num_reqs])
+            for builder in list(_BUILDERS):
+                builder.step_owners = owners
+        return result
+
     GPUModelRunner._update_states = _update_states
     _hook_installed = True
+
+
+def _install_budget_hook() -> None:
+    """Make the CPU worker's KV budget pay for staging: ``determine_available_memory``
+    (run after the model, and so our attention layers, are built) returns the budget
+    less :func:`staging_bytes`, so vLLM's page count, its ``KV cache size: N tokens``
+    and every capacity figure include the staging memory."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    original = CPUWorker.determine_available_memory
+    if getattr(original, "_lowbit_kv_wrapped", False):
+        return
+
+    def determine_available_memory(self) -> int:
+        budget = original(self)
+        if not is_lowbit_dtype(self.vllm_config.cache_config.cache_dtype):
+            return budget
+        staged = staging_bytes(self.vllm_config)
+        if staged >= budget:
+            raise ValueError(
+                f"lowbit-kv: staging needs {staged / 2**20:.1f} MiB (residual window and partial "
+                f"group of --max-num-seqs sequences) but the KV cache budget is only "
+                f"{budget / 2**20:.1f} MiB: raise VLLM_CPU_KVCACHE_SPACE / "
+                "--kv-cache-memory-bytes or lower --max-num-seqs or residual_tokens")
+        logger.info("lowbit-kv: KV cache budget %.1f MiB = %.1f MiB of pages + %.1f MiB of "
+                    "staging", budget / 2**20, (budget - staged) / 2**20, staged / 2**20)
+        return budget - staged
+
+    determine_available_memory._lowbit_kv_wrapped = True  # type: ignore[attr-defined]
+    CPUWorker.determine_available_memory = determine_available_memory
 
 
 class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
@@ -363,19 +423,18 @@ class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
         self.layout = _layout(scheme, kv_cache_spec.head_size, kv_cache_spec.num_kv_heads,
                               kv_cache_spec.block_size, vllm_config.model_config.dtype)
         self.alloc = StagingAllocator(staging_slots(vllm_config), self.layout.T,
-                                      self.layout.sink_tokens)
-        elt = torch.empty(0, dtype=vllm_config.model_config.dtype).element_size()
-        rows = 2 * kv_cache_spec.num_kv_heads
-        if scheme.uses_relevance:  # STP keeps the staged tokens' queries too
-            rows += vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
-        staging_mb = (self.alloc.num_slots * self.layout.T * rows * kv_cache_spec.head_size * elt
-                      * len(layer_names) / 2**20)
+                                      self.layout.sink_tokens,
+                                      scheme.residual_tokens // self.layout.T)
         logger.info("lowbit-kv pages: %d bytes per block of %d tokens per layer (%.1f B/token, "
-                    "%.3f bits/element); %d layers; staging: %d slots per layer (one per "
-                    "--max-num-seqs), %.1f MiB in all, outside the KV cache budget",
+                    "%.3f bits/element); %d layers; staging: %d slots per layer (%d per "
+                    "--max-num-seqs: residual window of %d tokens and the partial group), "
+                    "%.1f MiB in all, inside the KV cache budget",
                     self.layout.page_bytes, kv_cache_spec.block_size, self.layout.bytes_per_token,
                     self.layout.bits_per_element, len(layer_names), self.alloc.num_slots,
-                    staging_mb)
+                    scheme.staged_groups, scheme.residual_tokens,
+                    staging_bytes(vllm_config) / 2**20)
+        #: request id of each row of the next step (set by the runner hook)
+        self.step_owners: list[str] = []
         _BUILDERS.add(self)
         _install_request_end_hook()
 
@@ -393,7 +452,9 @@ class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
         write, read = self.alloc.plan_step(
             cam.slot_mapping[:n], cam.seq_lens[:R].tolist(),
             cam.query_start_loc_cpu[:R + 1].tolist(), cam.block_table_tensor[:R],
-            self.layout.groups_per_block)
+            self.layout.groups_per_block,
+            # without the runner's ids (warm-up runs) rows own nothing: no window is read
+            self.step_owners if len(self.step_owners) == R else [("row", r) for r in range(R)])
         from .vllm_eviction import compacted_rows
         compacted = compacted_rows(cam.block_table_tensor, R)
         return LowBitKVMetadata(num_actual_tokens=n, write=write, read=read, compacted=compacted,
@@ -444,8 +505,10 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
             _layout(self.scheme, head_size, num_kv_heads, self.T, self.model_dtype),
             _device_type(vllm_config), cfg.attention_impl)
         _log_implementation(self.attention_impl)
-        # The home of every running sequence's incomplete last group (and, for STP,
-        # its queries), sized once.
+        if _device_type(vllm_config) == "cpu":
+            _install_budget_hook()
+        # The home of every running sequence's residual window and incomplete last
+        # group (and, for STP, their queries), sized once.
         self.staging = Staging.allocate(staging_slots(vllm_config), self.T, num_kv_heads,
                                         head_size, self.model_dtype,
                                         num_heads if self.obs_window else None)

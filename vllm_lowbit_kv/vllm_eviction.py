@@ -140,6 +140,8 @@ def compact_ordered(runner, scheduler_output, builders) -> None:
         if rid in gone or state is None:
             continue
         block_ids = state.block_ids[0]
+        for b in builders:  # its window copies hold positions the compaction rewrites
+            b.alloc.release_window(rid)
         with torch.inference_mode():
             kept = _compact(geo, policy, T, [ctx[n] for n in names], block_ids, builder)
         for i in geo.freed_blocks:  # never ours again: the scheduler handed them back

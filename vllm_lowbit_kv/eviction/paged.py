@@ -166,4 +166,4 @@ def compacted_read_plan(read: ReadPlan, rows: dict[int, tuple[int, int, torch.Te
     table = torch.nn.utils.rnn.pad_sequence(segs, batch_first=True) if segs else read.group_table
     num_groups = torch.tensor([x.numel() for x in segs], dtype=torch.long)
     return make_read_plan(table, num_groups, read.tail_slot, ctx_len, read.q_start,
-                          read.first_block, T, layout.sink_tokens)
+                          read.first_block, T, layout.sink_tokens, read.window_slots)

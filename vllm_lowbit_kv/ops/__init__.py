@@ -165,7 +165,7 @@ def packed_attention_reference(query: torch.Tensor, q_start: torch.Tensor, pages
         return out, lse
     # every request's groups decoded in one call, then split per request
     gids = torch.cat([group_table[r, :g] for r, g in enumerate(counts) if g]).long()
-    dk, dv = layout.decode(layout.read_states(pages, gids))  # [sum g, T, H, D]
+    dk, dv = layout.decode_codes(layout.read_states(pages, gids))  # [sum g, T, H, D]
     first = 0
     for r in range(len(bounds) - 1):
         qs, qe, g = bounds[r], bounds[r + 1], counts[r]

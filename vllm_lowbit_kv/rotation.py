@@ -1,0 +1,71 @@
+"""Randomized Hadamard rotation of head vectors before scalar quantization.
+
+QuaRot (Ashkboos et al. 2024) and TurboQuant rotate each K/V head vector by an
+orthonormal matrix ``M = diag(s) · H_d / sqrt(d)`` (``H_d`` the Sylvester
+Hadamard matrix, ``s`` random signs) before quantizing: outlier channels are
+spread over all channels, so per-channel and per-token ranges shrink. Attention
+stays exact in math, because ``M`` is orthonormal (``M Mᵀ = I``):
+
+    q · k = (q M) · (k M)           scores: rotate the query once per step
+    Σ p v = (Σ p (v M)) Mᵀ          output: un-rotate the attention output once
+
+so the packed-attention kernels read rotated pages with a rotated query and
+need no change to their inner loops. The signs are drawn from ``seed`` and the
+layer index and stored nowhere but the configuration.
+
+The transform is a fast Walsh-Hadamard transform (``log2 d`` butterfly stages,
+``O(d log d)``), checked against the dense matrix in tests/test_rotation.py.
+No well-kept CPU implementation exists to reuse: Dao-AILab's
+``fast-hadamard-transform`` is CUDA only, and torch has none.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .codecs.base import require
+
+#: values of the ``rotate`` field
+ROTATIONS = ("none", "hadamard")
+
+
+def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H_d / sqrt(d)`` over the last dimension (``d`` a power of two), in x's dtype
+    for floating x. ``H_d`` is symmetric and ``(H_d / sqrt(d))² = I``: the transform is
+    its own inverse."""
+    d = x.shape[-1]
+    require(d >= 1 and d & (d - 1) == 0, "head_dim", "a power of two for the Hadamard rotation", d)
+    shape = x.shape
+    y = x.reshape(-1, d)
+    h = 1
+    while h < d:  # one butterfly stage: pairs (i, i + h) inside blocks of 2h
+        y = y.view(-1, d // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return (y.reshape(shape) / math.sqrt(d)).to(x.dtype)
+
+
+class HadamardRotation:
+    """The orthonormal ``M = diag(s) H_d / sqrt(d)`` of one layer: ``rotate(x) = x M``,
+    ``unrotate(y) = y Mᵀ``; ``s`` are random signs from ``(seed, layer)``."""
+
+    def __init__(self, head_dim: int, layer: int = 0, seed: int = 0):
+        walsh_hadamard(torch.zeros(1, head_dim))  # validates head_dim
+        gen = torch.Generator().manual_seed(1_000_003 * int(seed) + int(layer))
+        self.head_dim = head_dim
+        self.signs = torch.randint(0, 2, (head_dim,), generator=gen).float() * 2 - 1
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x M`` over the last dimension (x * s, then the transform)."""
+        return walsh_hadamard(x * self.signs.to(x.device, x.dtype))
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """``y Mᵀ``: the transform, then the signs (the inverse of :meth:`rotate`)."""
+        return walsh_hadamard(y) * self.signs.to(y.device, y.dtype)
+
+    def matrix(self) -> torch.Tensor:
+        """The dense ``M`` [d, d] (float32), for tests and kernels that want it."""
+        return self.rotate(torch.eye(self.head_dim))
