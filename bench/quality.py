@@ -1,9 +1,10 @@
-"""The quality yardstick: perplexity, passkey retrieval and greedy agreement per KV scheme.
+"""The quality yardstick: perplexity, passkey retrieval, chat answers and greedy agreement per KV scheme.
 
     python -m bench.quality                                   # every registered scheme
     python -m bench.quality --kv-cache-dtype kivi2,kivi4 --json out.json --png out.png
     python -m bench.quality --quick                           # a few minutes
     python -m bench.quality --kv-cache-dtype rvq4x256 --scheme-params '{"rvq4x256": {"codebook": "cb.safetensors"}}'
+    python -m bench.quality --kv-cache-dtype kivi4 --variants kivi2,kivi2@R0,kivi2@hadamard,kivi2@R0+hadamard
 
 Metrics (DESIGN.md, "How quality is measured"), each scheme against the
 ``bfloat16`` reference row, which is always run first:
@@ -11,14 +12,42 @@ Metrics (DESIGN.md, "How quality is measured"), each scheme against the
 * ``ppl``: teacher-forced perplexity over the first ``--max-tokens`` tokens of
   the text, prefilled in chunks of ``--chunk`` tokens, so that every chunk
   after the first attends to the (quantized) cache of the earlier chunks.
-* ``passkey_acc``: a seeded random 5-digit number hidden in filler text at
-  ``len(DEPTHS)`` depths for each context length, ``--passkey-trials`` numbers
-  per (length, depth); prefilled in ``--passkey-chunks`` chunks (of at least
-  ``--chunk`` tokens), greedy decode, exact match of the
-  first number in the answer. ``passkey_by_length`` breaks it down.
+* passkey: a seeded random 5-digit number hidden in filler text at every
+  ``--passkey-depths`` depth for each ``--passkey-lengths`` context length,
+  ``--passkey-trials`` draws per (length, depth) (each its own number and its
+  own filler offset: the filler sentence the prompt starts with); prefilled in
+  ``--passkey-chunks`` chunks (of at least ``--chunk`` tokens), greedy decode,
+  exact match of the first number in the answer. ``passkey_hits`` of
+  ``passkey_cases``, ``passkey_acc``, its 95% Wilson score interval
+  ``passkey_ci95``; ``passkey_by_length`` / ``passkey_by_depth`` break it down.
+* chat: ``--chat-prompts`` short factual questions (:mod:`bench.factual_prompts`)
+  sent as chats (the model's chat template with a generation prompt; through
+  the vLLM server ``/v1/chat/completions``, temperature 0) after a fixed
+  neutral system message and worked examples of about 480 tokens
+  (``chat_context_tokens``), so that the question and the answer read
+  quantized groups; greedy, at most ``--chat-tokens`` tokens.
+  ``chat_same_as_bf16``: answers equal to bf16's (after strip), of
+  ``chat_prompts``; ``chat_answers`` keeps them.
 * ``agreement``: greedy tokens generated before the first divergence from the
   bf16 reference (at most ``--agreement-tokens``), averaged over
   ``--agreement-prompts`` prompts cut from the text after the perplexity span.
+* bits: ``effective_bits`` (the pages: every stored byte per element) and
+  ``effective_bits_at_8k`` (:meth:`KVScheme.effective_bits_at` of one
+  8,192-token sequence: its pages plus its model-dtype staging, residual window
+  and partial group; layers of ``--skip-layers`` at 16 bits); bf16 16, fp8 8.
+
+Variants (``--variants``, also accepted in ``--kv-cache-dtype``): a scheme with
+cache fields changed, one row each, labelled as written:
+``SCHEME[@MOD[+MOD...]]`` with MOD ``R<N>`` (``residual_tokens`` N, ``R0``: no
+bf16 window), ``S<N>`` (``sink_tokens``), ``G<N>`` (``block_tokens``), ``hadamard`` / ``norotate`` (``rotate``), ``seed<N>``
+(``rotate_seed``), e.g. ``vidkv@R0``, ``kivi2@hadamard``,
+``kivi2@R0+hadamard``. They go through the scheme-parameter path
+(``--scheme-params``, which takes scheme names or variant labels as keys), so
+the vLLM engine passes them to the server as ``lowbit_kv`` fields.
+
+The figure (``--png``): PPL as a ratio to bf16's against
+``effective_bits_at_8k``, every row labelled, with the Pareto frontier (no row
+both fewer bits and lower PPL; lower left is better).
 
 Eviction (``--kv-eviction POLICY[,POLICY...] --kv-retention R[,R...]``,
 policies of :mod:`vllm_lowbit_kv.eviction`): every scheme also runs once per
@@ -34,7 +63,7 @@ after its prompt's prefill, prompt tokens only:
 * ``passkey``: the whole prompt (filler, needle, question) is prefilled, the
   first answer token comes from the prefill, the KV is evicted, the rest of
   the answer is decoded from the evicted cache.
-* ``agreement``: each prompt is prefilled and evicted, then decoded.
+* ``agreement`` and chat: each prompt is prefilled and evicted, then decoded.
 
 An engine runs all variants of one prompt from one prefill
 (:meth:`Engine.logprobs_variants`, :meth:`Engine.greedy_variants`).
@@ -64,6 +93,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -73,13 +103,22 @@ import torch
 from bench.plotting import pyplot, save
 
 REFERENCE = "bfloat16"
-DEPTHS = (0.1, 0.5, 0.9)
+#: default passkey depths (fraction of the filler before the needle)
+DEPTHS = (0.1, 0.35, 0.6, 0.85)
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
                  "memorize it. I will quiz you about the important information there.\n\n")
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
 PASSKEY_GEN_TOKENS = 8
+#: the filler's sentences: a prompt's filler cycles through them from its filler offset
+PASSKEY_SENTENCES = tuple(x.strip() + "." for x in PASSKEY_FILLER.split(".") if x.strip())
+#: two-sided 95% normal quantile (Wilson score interval)
+WILSON_Z95 = 1.959963984540054
+#: the context length of ``effective_bits_at_8k``
+BITS_AT_TOKENS = 8192
+#: bits per element of the KV dtypes that are no lowbit-kv scheme
+NATIVE_BITS = {REFERENCE: 16.0, "fp8": 8.0}
 
 
 # ----------------------------------------------------------------------------- engines
@@ -89,6 +128,10 @@ class Engine(ABC):
     kv_cache_dtype: str
     head_dim: int
     max_positions: int
+    num_layers: int
+    #: the lowbit-kv scheme as configured (overrides applied); None: the engine's own dtype
+    scheme: Any = None
+    skip_layers: tuple[int, ...] = ()
     #: False: an eviction policy is refused with :meth:`eviction_refusal`
     supports_eviction: bool = False
     #: True: one engine runs every eviction variant from one prefill (the variant
@@ -113,6 +156,25 @@ class Engine(ABC):
 
     def effective_bits(self) -> float:
         return 16.0
+
+    def effective_bits_at(self, context_tokens: int) -> float:
+        """Honest bits per element of one ``context_tokens`` sequence over all layers:
+        :meth:`KVScheme.effective_bits_at` (pages plus model-dtype staging) for packed
+        layers, 16 for ``skip_layers``; :data:`NATIVE_BITS` for the engine's own dtypes."""
+        if self.scheme is None:
+            return NATIVE_BITS[self.kv_cache_dtype]
+        packed = self.scheme.effective_bits_at(context_tokens, self.head_dim)
+        s = len(self.skip_layers)
+        return ((self.num_layers - s) * packed + s * 16.0) / self.num_layers
+
+    def chat_variants(self, ids: Sequence[int], question: str, n: int, chunk: int,
+                      policies: Sequence[Any], stop_ids: set[int], tok) -> list[str]:
+        """Per eviction policy: the greedy answer (at most ``n`` tokens, cut at the first of
+        ``stop_ids``) to the chat prompt ``ids`` of ``question``, as text."""
+        gens = (self.greedy_variants(ids, n, chunk, policies) if any(p is not None for p in policies)
+                else [self.greedy(ids, n, chunk)])
+        cut = [g[:next((i for i, t in enumerate(g) if t in stop_ids), len(g))] for g in gens]
+        return [tok.decode(g, skip_special_tokens=True).strip() for g in cut]
 
     def eviction_refusal(self) -> str | None:
         """Why this engine cannot evict (None: it can)."""
@@ -163,11 +225,14 @@ class HFEngine(Engine):
         cfg = self.model.config.get_text_config(decoder=True)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_positions = cfg.max_position_embeddings
+        self.num_layers = cfg.num_hidden_layers
+        self.skip_layers = tuple(skip_layers)
         self.scheme = None if kv_cache_dtype == REFERENCE else get_scheme(kv_cache_dtype)
-        if self.scheme is not None and params:
-            self.scheme = self.scheme.with_params(**params)
-        self.cache_kw = dict(block_tokens=block_tokens, sink_tokens=sink_tokens,
-                             skip_layers=tuple(skip_layers), relevance=relevance)
+        overrides = {k: v for k, v in (("block_tokens", block_tokens), ("sink_tokens", sink_tokens))
+                     if v is not None} | dict(params or {})
+        if self.scheme is not None and overrides:
+            self.scheme = self.scheme.with_params(**overrides)
+        self.cache_kw = dict(skip_layers=self.skip_layers, relevance=relevance)
         self._last_cache = None
 
     def new_cache(self, evictable: bool = False):
@@ -186,7 +251,7 @@ class HFEngine(Engine):
     def effective_bits(self) -> float:
         if self.scheme is None:
             return 16.0
-        return self.scheme.effective_bits(self.head_dim, self.cache_kw["block_tokens"])
+        return self.scheme.effective_bits(self.head_dim)
 
     def _prefill(self, cache, ids: torch.Tensor, chunk: int, keep_logits: bool):
         """Chunked prefill; the logits of every position (keep_logits) or of the last one."""
@@ -307,33 +372,154 @@ def make_engine(kind: str, model_dir, kv_cache_dtype: str, **kw) -> Engine:
 
 
 # ----------------------------------------------------------------------------- tasks
-def passkey_prompt(tok, length: int, depth: float, key: int) -> list[int]:
-    """Token ids of a passkey prompt of about ``length - PASSKEY_GEN_TOKENS`` tokens."""
+def _filler(n: int, offset: int) -> str:
+    """``n`` filler sentences, cycling through :data:`PASSKEY_SENTENCES` from ``offset``."""
+    S = len(PASSKEY_SENTENCES)
+    return "".join(PASSKEY_SENTENCES[(offset + i) % S] + " " for i in range(n))
+
+
+def passkey_prompt(tok, length: int, depth: float, key: int, filler_offset: int = 0) -> list[int]:
+    """Token ids of a passkey prompt of about ``length - PASSKEY_GEN_TOKENS`` tokens: the
+    needle after ``depth`` of the filler sentences, the filler starting at sentence
+    ``filler_offset`` of :data:`PASSKEY_SENTENCES`."""
     def n_tok(s: str) -> int:
         return len(tok(s, add_special_tokens=False).input_ids)
     needle = PASSKEY_NEEDLE.format(key=key)
     budget = length - PASSKEY_GEN_TOKENS
     fixed = n_tok(PASSKEY_INTRO + needle + PASSKEY_QUESTION)
-    per_unit = (n_tok(PASSKEY_FILLER * 11) - n_tok(PASSKEY_FILLER)) / 10  # marginal cost in a run
+    per_unit = (n_tok(_filler(55, filler_offset)) - n_tok(_filler(5, filler_offset))) / 50  # per sentence
     units = max(int((budget - fixed) / per_unit), 1)
     while True:
         before = round(depth * units)
-        text = (PASSKEY_INTRO + PASSKEY_FILLER * before + needle + PASSKEY_FILLER * (units - before)
-                + PASSKEY_QUESTION)
+        text = (PASSKEY_INTRO + _filler(before, filler_offset) + needle
+                + _filler(units - before, filler_offset + before) + PASSKEY_QUESTION)
         ids = tok(text).input_ids
         if len(ids) <= budget or units == 1:
             return ids[-budget:]
         units -= max(1, int((len(ids) - budget) / per_unit))
 
 
-def passkey_cells(lengths: Sequence[int], trials: int, seed: int) -> list[dict]:
+def passkey_cells(lengths: Sequence[int], trials: int, seed: int,
+                  depths: Sequence[float] = DEPTHS) -> list[dict]:
+    """The passkey cases: every (length, depth, trial), each trial its own draw (seeded by
+    ``seed``, length, depth index and trial) of the 5-digit key and the filler offset."""
     cells = []
     for L in lengths:
-        for di, depth in enumerate(DEPTHS):
+        for di, depth in enumerate(depths):
             for trial in range(trials):
                 rng = random.Random(f"{seed}-{L}-{di}-{trial}")
-                cells.append(dict(length=L, depth=depth, trial=trial, passkey=rng.randint(10000, 99999)))
+                cells.append(dict(length=L, depth=depth, trial=trial, passkey=rng.randint(10000, 99999),
+                                  filler_offset=rng.randrange(len(PASSKEY_SENTENCES))))
     return cells
+
+
+def wilson_interval(hits: int, n: int, z: float = WILSON_Z95) -> list[float] | None:
+    """Wilson score interval ``[lo, hi]`` of a binomial proportion ``hits / n`` (None for n = 0)."""
+    if n <= 0:
+        return None
+    if not 0 <= hits <= n:
+        raise ValueError(f"hits must be in [0, n={n}], got {hits}")
+    p, z2 = hits / n, z * z
+    den = 1 + z2 / n
+    centre = (p + z2 / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / den
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
+def pareto_frontier(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point dominates (lower x and lower y are better: a point
+    is dominated by one with x and y both <= its own, one of them <); sorted by x, then y.
+    Equal points are all kept."""
+    idx = [i for i, (x, y) in enumerate(points)
+           if not any(x2 <= x and y2 <= y and (x2 < x or y2 < y) for x2, y2 in points)]
+    return sorted(idx, key=lambda i: (points[i][0], points[i][1]))
+
+
+# ----------------------------------------------------------------------------- variants
+#: the modifiers of a variant: (regular expression, scheme field, value from the match, help)
+VARIANT_MODIFIERS: tuple[tuple[str, str, Any, str], ...] = (
+    (r"R(\d+)", "residual_tokens", lambda m: int(m.group(1)), "R<N> (residual_tokens N; R0: no bf16 window)"),
+    (r"S(\d+)", "sink_tokens", lambda m: int(m.group(1)), "S<N> (sink_tokens N)"),
+    (r"G(\d+)", "block_tokens", lambda m: int(m.group(1)), "G<N> (block_tokens N: tokens per group)"),
+    (r"hadamard", "rotate", lambda m: "hadamard", "hadamard (rotate hadamard)"),
+    (r"norotate", "rotate", lambda m: "none", "norotate (rotate none)"),
+    (r"seed(\d+)", "rotate_seed", lambda m: int(m.group(1)), "seed<N> (rotate_seed N)"),
+)
+VARIANT_FORM = "SCHEME[@MOD[+MOD...]] with MOD one of " + ", ".join(h for *_, h in VARIANT_MODIFIERS)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One measured row: ``label`` as written, its ``scheme`` (a KV dtype) and the scheme
+    fields its modifiers set (``mods``)."""
+
+    label: str
+    scheme: str
+    mods: dict[str, Any] = field(default_factory=dict, hash=False)
+
+
+def parse_variant(spec: str, native: Sequence[str] = ()) -> Variant:
+    """``SCHEME[@MOD[+MOD...]]`` -> :class:`Variant` (:data:`VARIANT_FORM`); ValueError naming
+    the allowed forms for a bad one. The scheme name itself is checked by the caller."""
+    spec = spec.strip()
+    scheme, at, rest = spec.partition("@")
+    scheme = scheme.strip()
+    if not scheme or any(c.isspace() for c in scheme):
+        raise ValueError(f"bad variant {spec!r}: no scheme name (or a blank in it); the form is "
+                         f"{VARIANT_FORM}")
+    if not at:
+        return Variant(scheme, scheme, {})
+    if scheme == REFERENCE or scheme in native or scheme in NATIVE_BITS:
+        raise ValueError(f"bad variant {spec!r}: {scheme} is not a lowbit-kv scheme and takes no "
+                         f"modifiers; the form is {VARIANT_FORM}")
+    mods: dict[str, Any] = {}
+    for mod in rest.split("+"):
+        mod = mod.strip()
+        for pattern, key, value, _ in VARIANT_MODIFIERS:
+            m = re.fullmatch(pattern, mod)
+            if m:
+                break
+        else:
+            raise ValueError(f"bad variant {spec!r}: modifier {mod!r} is not one of the allowed "
+                             f"forms; the form is {VARIANT_FORM}")
+        val = value(m)
+        if key in mods and mods[key] != val:
+            raise ValueError(f"bad variant {spec!r}: {key} set twice ({mods[key]!r}, {val!r})")
+        mods[key] = val
+    return Variant(spec, scheme, mods)
+
+
+# ----------------------------------------------------------------------------- chat
+def chat_prompt_ids(tok, question: str) -> list[int]:
+    """Token ids of one chat question (:func:`bench.factual_prompts.chat_messages`): the
+    tokenizer's chat template with a generation prompt, tokenized as vLLM's chat endpoint
+    does (no extra special tokens); a plain-text transcript if the tokenizer has no template."""
+    from bench.factual_prompts import chat_messages
+    msgs = chat_messages(question)
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False).input_ids
+    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in msgs) + "Assistant:"
+    return tok(text).input_ids
+
+
+def chat_context_tokens(tok) -> int:
+    """Tokens of a chat prompt before its question (the common prefix of two questions' prompts)."""
+    from bench.factual_prompts import CHAT_QUESTIONS
+    a, b = chat_prompt_ids(tok, CHAT_QUESTIONS[0]), chat_prompt_ids(tok, CHAT_QUESTIONS[1])
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def stop_token_ids(tok, model_dir: str | Path) -> set[int]:
+    """Token ids that end a chat answer: the tokenizer's EOS and the generation config's."""
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    try:
+        from transformers import GenerationConfig
+        eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except (OSError, ValueError):
+        pass
+    return ids
 
 
 def agreement_prompts(ids: list[int], start: int, n: int, length: int) -> list[list[int]]:
@@ -347,39 +533,58 @@ def agreement_prompts(ids: list[int], start: int, n: int, length: int) -> list[l
 
 
 # ----------------------------------------------------------------------------- output
-def format_table(rows: list[dict], lengths: Sequence[int]) -> str:
-    head = ["scheme", "bits", "PPL", "xbf16", "passkey"] + [f"pk@{L}" for L in lengths] + ["agree", "s"]
+def format_table(rows: list[dict], lengths: Sequence[int] = ()) -> str:
+    """Markdown table: scheme/variant, page bits, bits@8K, PPL, PPL ratio, passkey hits/cases
+    [95% CI], chat answers equal to bf16's, agreement, seconds. (``lengths``: unused, kept
+    for callers; ``passkey_by_length`` is in the JSON.)"""
+    head = ["scheme/variant", "page bits", "bits@8K", "PPL", "xbf16", "passkey [95% CI]", "chat=bf16",
+            "agree", "s"]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     lines = []
     for r in rows:
-        by = r.get("passkey_by_length") or {}
-        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-        lines.append([r.get("label", r["scheme"]), fmt(r["effective_bits"], ".3f"), fmt(r["ppl"], ".3f"),
-                      fmt(r["ppl_ratio_vs_bf16"], ".3f"), fmt(r["passkey_acc"], ".2f")]
-                     + [fmt(by.get(str(L)), ".2f") for L in lengths]
-                     + [fmt(r["agreement"], ".1f"), fmt(r.get("seconds"), ".0f")])
+        ci = r.get("passkey_ci95")
+        pk = "-" if not r.get("passkey_cases") else (
+            f"{r['passkey_hits']}/{r['passkey_cases']} [{ci[0]:.2f}, {ci[1]:.2f}]")
+        chat = "-" if not r.get("chat_prompts") or r.get("chat_same_as_bf16") is None else \
+            f"{r['chat_same_as_bf16']}/{r['chat_prompts']}"
+        lines.append([r.get("label", r["scheme"]), fmt(r.get("effective_bits"), ".3f"),
+                      fmt(r.get("effective_bits_at_8k"), ".3f"), fmt(r["ppl"], ".3f"),
+                      fmt(r["ppl_ratio_vs_bf16"], ".3f"), pk, chat, fmt(r["agreement"], ".1f"),
+                      fmt(r.get("seconds"), ".0f")])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
-    out = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))]
-    out.append("  ".join("-" * w for w in widths))
-    for line in lines:
-        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                             for i, (c, w) in enumerate(zip(line, widths))))
-    return "\n".join(out)
+
+    def md(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    out = [md(head), "|" + "|".join((":" if i == 0 else "-") + "-" * w + (":" if i else "-")
+                                    for i, w in enumerate(widths)) + "|"]
+    return "\n".join(out + [md(line) for line in lines])
 
 
 def plot(rows: list[dict], path: str | Path, title: str) -> None:
+    """PPL / bf16 PPL against ``effective_bits_at_8k``, every row labelled, the Pareto frontier
+    (lower left is better) drawn as a staircase through its rows."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    pts = [r for r in rows if r["ppl"] is not None and math.isfinite(r["ppl"])]
-    for r in pts:
+    fig, ax = plt.subplots(figsize=(9, 6))
+    pts = [r for r in rows if r.get("ppl_ratio_vs_bf16") is not None and math.isfinite(r["ppl_ratio_vs_bf16"])
+           and r.get("effective_bits_at_8k") is not None]
+    xy = [(r["effective_bits_at_8k"], r["ppl_ratio_vs_bf16"]) for r in pts]
+    front = pareto_frontier(xy)
+    on_front = set(front)
+    for i, (r, (x, y)) in enumerate(zip(pts, xy)):
         ref = r["scheme"] == REFERENCE
-        ax.scatter(r["effective_bits"], r["ppl"], s=40, marker="*" if ref else "o",
-                   color="black" if ref else "tab:blue", zorder=3)
-        ax.annotate(r["scheme"], (r["effective_bits"], r["ppl"]), textcoords="offset points",
-                    xytext=(5, 4), fontsize=8)
-    ref = next((r for r in pts if r["scheme"] == REFERENCE), None)
-    if ref is not None:
-        ax.axhline(ref["ppl"], color="gray", ls="--", lw=0.8, label=f"{REFERENCE} PPL {ref['ppl']:.2f}")
-        ax.legend(loc="upper right")
+        variant = "@" in r.get("label", "")
+        ax.scatter(x, y, s=70 if ref else 40, marker="*" if ref else ("D" if variant else "o"),
+                   color="black" if ref else ("tab:orange" if variant else "tab:blue"),
+                   edgecolor="tab:red" if i in on_front else "none", linewidth=1.5, zorder=3)
+        ax.annotate(r.get("label", r["scheme"]), (x, y), textcoords="offset points", xytext=(5, 4),
+                    fontsize=7)
+    if front:
+        fx, fy = zip(*(xy[i] for i in front))
+        ax.step(fx, fy, where="post", color="tab:red", lw=1.2, alpha=0.8, zorder=2,
+                label="Pareto frontier (lower left is better)")
+    ax.axhline(1.0, color="gray", ls="--", lw=0.8, label=f"{REFERENCE} PPL")
+    ax.legend(loc="upper right", fontsize=8)
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -389,9 +594,10 @@ def plot(rows: list[dict], path: str | Path, title: str) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.yaxis.set_major_formatter(plain)
     ax.yaxis.set_minor_formatter(plain)
-    ax.set_xlim(min([1.0] + [0.9 * r["effective_bits"] for r in pts]), 20)
-    ax.set_xlabel("effective bits per KV element (every stored byte counted)")
-    ax.set_ylabel("teacher-forced chunked perplexity (log)")
+    ax.set_xlim(min([1.0] + [0.9 * x for x, _ in xy]), 20)
+    ax.set_xlabel(f"effective bits per KV element at {BITS_AT_TOKENS:,} tokens "
+                  "(pages + bf16 staging, every stored byte)")
+    ax.set_ylabel("teacher-forced chunked perplexity / bf16's (log)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     save(fig, path, dpi=120)
@@ -466,23 +672,39 @@ def build_parser() -> argparse.ArgumentParser:
                                 description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--kv-cache-dtype", default=None,
-                   help="comma-separated scheme names (default: every registered scheme); "
+                   help="comma-separated scheme names, or variants as --variants (default: every "
+                        "registered scheme, or none when --variants is given); "
                         f"the {REFERENCE} reference row is always included")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated extra rows, each a scheme with cache fields changed, "
+                        f"labelled as written: {VARIANT_FORM}; e.g. "
+                        "'vidkv,vidkv@R0,kivi2@hadamard,kivi2@R0+hadamard'. Applied through the "
+                        "scheme parameters (on top of --scheme-params for the scheme; a "
+                        "--scheme-params key may also be a variant label)")
     p.add_argument("--model", default=None, help="HF model folder (default: prepare_model())")
     p.add_argument("--engine", default="hf", choices=sorted(ENGINES))
     p.add_argument("--text-file", default=None, help="evaluation text (default: bench.corpus.default_text())")
     p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--png", default=None, help="plot PPL vs effective bits here")
+    p.add_argument("--png", default=None,
+                   help=f"plot PPL / bf16 PPL vs effective bits at {BITS_AT_TOKENS} tokens, with the "
+                        "Pareto frontier, here")
     p.add_argument("--max-tokens", type=int, default=None, help="perplexity tokens [2048]")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens)")
     p.add_argument("--passkey-lengths", default=None,
-                   help="comma-separated context lengths, or 'none' [1024,2048,4096,8192]")
+                   help="comma-separated context lengths, or 'none' [1024,2048,3072,4096; "
+                        "--quick: 1024,2048]")
+    p.add_argument("--passkey-depths", default=",".join(map(str, DEPTHS)),
+                   help="comma-separated needle depths in [0, 1]")
     p.add_argument("--passkey-trials", type=int, default=None,
-                   help=f"passkeys per (length, depth); {len(DEPTHS)} depths {DEPTHS} [1]")
+                   help="draws per (length, depth), each its own key and filler offset [2; --quick: 1]")
     p.add_argument("--passkey-chunks", type=int, default=4,
                    help="passkey prompts are prefilled in this many chunks (each at least --chunk "
                         "tokens): the needle is read back through the quantized cache, at a "
                         "fraction of the cost of --chunk-sized steps over 8K tokens")
+    p.add_argument("--chat-prompts", type=int, default=None,
+                   help="factual chat questions (bench.factual_prompts, at most 20; 0: none) "
+                        "[20; --quick: 5]")
+    p.add_argument("--chat-tokens", type=int, default=24, help="max tokens of a chat answer")
     p.add_argument("--agreement-prompts", type=int, default=None, help="greedy-agreement prompts [4]")
     p.add_argument("--agreement-prompt-tokens", type=int, default=512, help="tokens per agreement prompt")
     p.add_argument("--agreement-tokens", type=int, default=None, help="max agreeing tokens counted [64]")
@@ -513,20 +735,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0,
                    help="passkey seed; also the calibration seed of default RVQ codebooks")
     p.add_argument("--quick", action="store_true",
-                   help="smaller defaults: 1024 PPL tokens, passkey 1024,2048, 32 agreement tokens")
+                   help="smaller defaults: 1024 PPL tokens, passkey 1024,2048 x 4 depths x 1 "
+                        "trial, 5 chat questions, 32 agreement tokens")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    quick = dict(max_tokens=1024, passkey_lengths="1024,2048", passkey_trials=1,
+    from bench.factual_prompts import CHAT_QUESTIONS
+    quick = dict(max_tokens=1024, passkey_lengths="1024,2048", passkey_trials=1, chat_prompts=5,
                  agreement_prompts=4, agreement_tokens=32)
-    full = dict(max_tokens=2048, passkey_lengths="1024,2048,4096,8192", passkey_trials=1,
-                agreement_prompts=4, agreement_tokens=64)
+    full = dict(max_tokens=2048, passkey_lengths="1024,2048,3072,4096", passkey_trials=2,
+                chat_prompts=len(CHAT_QUESTIONS), agreement_prompts=4, agreement_tokens=64)
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.passkey_lengths = _int_list(args.passkey_lengths)
+    try:
+        args.passkey_depths = [float(x) for x in (args.passkey_depths or "").split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--passkey-depths must be comma-separated numbers in [0, 1], got "
+                         f"{args.passkey_depths!r}") from None
+    if not all(0 <= d <= 1 for d in args.passkey_depths) or (args.passkey_lengths and not args.passkey_depths):
+        raise SystemExit(f"--passkey-depths must be comma-separated numbers in [0, 1], got {args.passkey_depths}")
+    if not 0 <= args.chat_prompts <= len(CHAT_QUESTIONS):
+        raise SystemExit(f"--chat-prompts must be in [0, {len(CHAT_QUESTIONS)}], got {args.chat_prompts}")
+    try:
+        args.variants = [parse_variant(v, ENGINE_NATIVE_DTYPES.get(args.engine, ()))
+                         for v in (args.variants or "").split(",") if v.strip()]
+    except ValueError as e:
+        raise SystemExit(f"--variants: {e}") from None
     try:
         args.scheme_params = json.loads(args.scheme_params) if args.scheme_params else {}
     except json.JSONDecodeError as e:
@@ -541,7 +779,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     except ValueError:
         raise SystemExit(f"--kv-retention must be comma-separated numbers in (0, 1], got "
                          f"{args.kv_retention!r}") from None
-    for name in ("max_tokens", "chunk", "agreement_prompt_tokens", "passkey_chunks"):
+    for name in ("max_tokens", "chunk", "agreement_prompt_tokens", "passkey_chunks", "chat_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("passkey_trials", "agreement_prompts", "agreement_tokens"):
@@ -556,17 +794,23 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
 
     from vllm_lowbit_kv.schemes import SCHEMES, get_scheme
 
-    names = list(SCHEMES) if args.kv_cache_dtype is None else \
-        [s.strip() for s in args.kv_cache_dtype.split(",") if s.strip()]
-    names = [REFERENCE] + [n for n in dict.fromkeys(names) if n != REFERENCE]
-    for n in names[1:]:
-        if n in ENGINE_NATIVE_DTYPES.get(args.engine, ()):
+    native = ENGINE_NATIVE_DTYPES.get(args.engine, ())
+    specs = [] if args.kv_cache_dtype is None and args.variants else \
+        list(SCHEMES) if args.kv_cache_dtype is None else \
+        [x for x in args.kv_cache_dtype.split(",") if x.strip()]
+    try:
+        rows_to_run = [parse_variant(x, native) for x in specs] + list(args.variants)
+    except ValueError as e:
+        raise SystemExit(f"--kv-cache-dtype: {e}") from None
+    rows_to_run = [Variant(REFERENCE, REFERENCE)] + list(
+        {v.label: v for v in rows_to_run if v.label != REFERENCE}.values())
+    for v in rows_to_run[1:]:
+        if v.scheme in native:
             continue
-        get_scheme(n)  # refuse unknown names before any work
-        if args.block_tokens is not None or args.sink_tokens is not None:
-            get_scheme(n).with_params(**{k: v for k, v in (("block_tokens", args.block_tokens),
-                                                           ("sink_tokens", args.sink_tokens))
-                                         if v is not None})
+        get_scheme(v.scheme)  # refuse unknown names and bad modifiers before any work
+        get_scheme(v.scheme).with_params(**v.mods, **{
+            k: x for k, x in (("block_tokens", args.block_tokens), ("sink_tokens", args.sink_tokens))
+            if x is not None})
 
     variants = eviction_variants(args)  # refuse bad eviction settings before any work
 
@@ -593,10 +837,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
             raise SystemExit(f"--eviction-prompt-tokens must be a positive multiple of --chunk "
                              f"({args.chunk}) below the {len(ppl_ids)} PPL tokens, got {prompt_tokens}")
     prompts = agreement_prompts(all_ids, len(ppl_ids), args.agreement_prompts, args.agreement_prompt_tokens)
-    cells = passkey_cells(args.passkey_lengths, args.passkey_trials, args.seed)
+    cells = passkey_cells(args.passkey_lengths, args.passkey_trials, args.seed, args.passkey_depths)
+    from bench.factual_prompts import CHAT_QUESTIONS
+    questions = CHAT_QUESTIONS[:args.chat_prompts]
+    chat_ids = [chat_prompt_ids(tok, q) for q in questions]
+    stop_ids = stop_token_ids(tok, args.model)
     eng_kw = dict(block_tokens=args.block_tokens, sink_tokens=args.sink_tokens, skip_layers=args.skip_layers,
                   relevance=args.relevance)
-    params, codebooks = scheme_params(names[1:], args)
+    params, codebooks = scheme_params(rows_to_run[1:], args)
     probe = make_engine(args.engine, args.model, REFERENCE, **eng_kw)
     if args.kv_eviction and not probe.supports_eviction:
         raise SystemExit(f"--kv-eviction with --engine {args.engine}: {probe.eviction_refusal()}")
@@ -610,8 +858,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         text=dict(source=text_src, sha256=hashlib.sha256(text.encode()).hexdigest(),
                   chars=len(text), tokens=len(all_ids)),
         settings=dict(max_tokens=args.max_tokens, ppl_tokens=len(ppl_ids), chunk=args.chunk,
-                      passkey_lengths=args.passkey_lengths, passkey_chunks=args.passkey_chunks, passkey_depths=list(DEPTHS),
-                      passkey_trials=args.passkey_trials, passkey_gen_tokens=PASSKEY_GEN_TOKENS,
+                      passkey_lengths=args.passkey_lengths, passkey_chunks=args.passkey_chunks,
+                      passkey_depths=list(args.passkey_depths), passkey_trials=args.passkey_trials,
+                      passkey_cases=len(cells), chat_prompts=len(questions), chat_tokens=args.chat_tokens,
+                      chat_context_tokens=chat_context_tokens(tok) if questions else None, passkey_gen_tokens=PASSKEY_GEN_TOKENS,
                       agreement_prompts=len(prompts), agreement_prompt_tokens=args.agreement_prompt_tokens,
                       agreement_tokens=args.agreement_tokens, block_tokens=args.block_tokens,
                       sink_tokens=args.sink_tokens, skip_layers=args.skip_layers, seed=args.seed,
@@ -626,14 +876,17 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         rows=[],
     )
     work_per_scheme = (len(ppl_ids) + sum(c["length"] for c in cells)
+                       + sum(len(x) + args.chat_tokens for x in chat_ids)
                        + len(prompts) * (args.agreement_prompt_tokens + args.agreement_tokens))
-    bar = tqdm(total=work_per_scheme * len(names), unit="tok", unit_scale=True, dynamic_ncols=True,
+    bar = tqdm(total=work_per_scheme * len(rows_to_run), unit="tok", unit_scale=True, dynamic_ncols=True,
                disable=args.no_progress, desc="quality")
-    ref: dict[str, Any] = dict(ppl=None, gen=[])
+    ref: dict[str, Any] = dict(ppl=None, gen=[], chat=[])
     t_all = time.time()
 
-    def run_group(name: str, eng: Engine, group: list[tuple[str, Any]]) -> None:
+    def run_group(variant: Variant, eng: Engine, group: list[tuple[str, Any]]) -> None:
         """One engine, its variants (eviction policies, None first if present): rows."""
+        name = variant.label
+        is_ref = variant.scheme == REFERENCE and group[0][1] is None  # bf16 without eviction
         t0 = time.time()
         policies = [pol for _, pol in group]
         V = len(group)
@@ -649,7 +902,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         bar.set_postfix_str(f"{name}: passkey")
         details: list[list[dict]] = [[] for _ in range(V)]
         for c in cells:
-            ids = passkey_prompt(tok, c["length"], c["depth"], c["passkey"])
+            ids = passkey_prompt(tok, c["length"], c["depth"], c["passkey"], c["filler_offset"])
             gens = (eng.greedy_variants(ids, PASSKEY_GEN_TOKENS, passkey_chunk(c["length"], args), policies)
                     if args.kv_eviction else [eng.greedy(ids, PASSKEY_GEN_TOKENS, passkey_chunk(c["length"], args))])
             for v, gen in enumerate(gens):
@@ -658,10 +911,19 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                 details[v].append(dict(c, prompt_tokens=len(ids), answer=answer,
                                        correct=bool(m and m.group(0) == str(c["passkey"]))))
 
+        bar.set_postfix_str(f"{name}: chat")
+        chats: list[list[str]] = [[] for _ in range(V)]
+        for q, ids in zip(questions, chat_ids):
+            for v, answer in enumerate(eng.chat_variants(ids, q, args.chat_tokens, args.chunk, policies,
+                                                         stop_ids, tok)):
+                chats[v].append(answer)
+        if is_ref:
+            ref["chat"] = chats[0]
+
         bar.set_postfix_str(f"{name}: agreement")
         agree: list[list[int]] = [[] for _ in range(V)]
         for i, p in enumerate(prompts):
-            if name == REFERENCE and policies[0] is None:  # the reference: bf16 without eviction
+            if is_ref:
                 ref["gen"].append(eng.greedy(p, args.agreement_tokens, args.chunk))
             refs = [ref["gen"][i]] * V
             gens = (eng.greedy_variants(p, args.agreement_tokens, args.chunk, policies, refs)
@@ -670,19 +932,27 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                 agree[v].append(next((j for j, (a, b) in enumerate(zip(gen, refs[v])) if a != b),
                                      min(len(gen), len(refs[v]))))
 
-        if name == REFERENCE and policies[0] is None:
+        if is_ref:
             ref["ppl"] = ppls[0]
         seconds = round(time.time() - t0, 1)
         for v, ((label, pol), run_, ppl) in enumerate(zip(group, ppl_runs, ppls)):
             det = details[v]
             memory = run_["kv_memory"]
+            hits = sum(d["correct"] for d in det)
             row = dict(
-                scheme=name, eviction=pol.name if pol else None, retention=pol.retention if pol else None,
-                label=f"{name}+{label}" if pol else name, effective_bits=eng.effective_bits(), ppl=ppl,
-                ppl_ratio_vs_bf16=None if ppl is None else ppl / ref["ppl"],
-                passkey_acc=(sum(d["correct"] for d in det) / len(det)) if det else None,
+                scheme=variant.scheme, variant=variant.mods, eviction=pol.name if pol else None,
+                retention=pol.retention if pol else None, label=f"{name}+{label}" if pol else name,
+                effective_bits=eng.effective_bits(), effective_bits_at_8k=eng.effective_bits_at(BITS_AT_TOKENS),
+                ppl=ppl, ppl_ratio_vs_bf16=None if ppl is None else ppl / ref["ppl"],
+                passkey_hits=hits, passkey_cases=len(det),
+                passkey_acc=hits / len(det) if det else None, passkey_ci95=wilson_interval(hits, len(det)),
                 passkey_by_length={str(L): sum(d["correct"] for d in det if d["length"] == L)
                                    / max(1, sum(d["length"] == L for d in det)) for L in args.passkey_lengths},
+                passkey_by_depth={str(D): sum(d["correct"] for d in det if d["depth"] == D)
+                                  / max(1, sum(d["depth"] == D for d in det)) for D in args.passkey_depths},
+                chat_prompts=len(chats[v]),
+                chat_same_as_bf16=sum(a == b for a, b in zip(chats[v], ref["chat"])) if questions else None,
+                chat_answers=chats[v],
                 agreement=(sum(agree[v]) / len(agree[v])) if agree[v] else None,
                 agreement_per_prompt=agree[v],
                 kv_bytes_per_token=(memory["total_bytes"] / memory["tokens"]
@@ -695,30 +965,32 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
             if run_.get("note"):
                 row["note"] = run_["note"]
             if not args.kv_eviction:
-                for k in ("eviction", "retention", "label", "eviction_plan"):
+                for k in ("eviction", "retention", "eviction_plan"):
                     row.pop(k)
             result["rows"].append(row)
-            tqdm.write(f"{row.get('label', name)}: bits {row['effective_bits']:.3f}  ppl {ppl}  "
-                       f"(x{row['ppl_ratio_vs_bf16']})  passkey {row['passkey_acc']}  "
+            tqdm.write(f"{row['label']}: bits {row['effective_bits']:.3f} (at 8K "
+                       f"{row['effective_bits_at_8k']:.3f})  ppl {ppl} (x{row['ppl_ratio_vs_bf16']})  "
+                       f"passkey {hits}/{len(det)}  chat=bf16 {row['chat_same_as_bf16']}  "
                        f"agreement {row['agreement']}", file=sys.stderr)
         tqdm.write(f"{name}: {seconds:.0f}s", file=sys.stderr)
         result["elapsed_s"] = round(time.time() - t_all, 1)
         if args.json:  # after every group, so that an interrupted run keeps what it has
             _write_json(result, args.json)
 
-    for name in names:
-        eng = probe if name == REFERENCE else make_engine(args.engine, args.model, name, **eng_kw,
+    for variant in rows_to_run:
+        name = variant.label
+        eng = probe if name == REFERENCE else make_engine(args.engine, args.model, variant.scheme, **eng_kw,
                                                           params=params.get(name))
         if not args.kv_eviction or eng.variants_share_prefill:
-            run_group(name, eng, variants)
+            run_group(variant, eng, variants)
         else:  # one engine (server) per eviction setting
-            run_group(name, eng, variants[:1])
+            run_group(variant, eng, variants[:1])
             if eng.eviction_refusal():
                 tqdm.write(f"{name}: no eviction rows ({eng.eviction_refusal()})", file=sys.stderr)
                 continue
             for v in variants[1:]:
-                run_group(name, make_engine(args.engine, args.model, name, eviction=v[1], **eng_kw,
-                                            params=params.get(name)), [v])
+                run_group(variant, make_engine(args.engine, args.model, variant.scheme, eviction=v[1],
+                                               **eng_kw, params=params.get(name)), [v])
         bar.update(work_per_scheme)
     bar.close()
     print(format_table(result["rows"], args.passkey_lengths))
@@ -732,30 +1004,37 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
     return result
 
 
-def scheme_params(names: Sequence[str], args: argparse.Namespace) -> tuple[dict[str, dict], dict[str, dict]]:
-    """Per scheme: its codec parameters (``--scheme-params``, plus the default codebook file
-    for schemes with learned codebooks that name none) and a record of each codebook file."""
+def scheme_params(rows: Sequence[Variant], args: argparse.Namespace
+                  ) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Per row label: its scheme parameters (``--scheme-params`` of its scheme, then of its
+    label, then its variant modifiers; plus the default codebook file for schemes with
+    learned codebooks that name none) and a record of each codebook file."""
     from vllm_lowbit_kv.calibrate import CalibrationConfig, ensure_codebook
     from vllm_lowbit_kv.codecs.rvq import RVQCodebooks
     from vllm_lowbit_kv.schemes import SCHEMES
 
-    unknown = sorted(set(args.scheme_params) - set(names))
+    known = {v.scheme for v in rows} | {v.label for v in rows}
+    unknown = sorted(set(args.scheme_params) - known)
     if unknown:
-        raise SystemExit(f"--scheme-params names schemes not measured here: {unknown} (measured: {list(names)})")
-    params = {n: dict(p) for n, p in args.scheme_params.items()}
+        raise SystemExit(f"--scheme-params names schemes not measured here: {unknown} "
+                         f"(measured: {[v.label for v in rows]})")
+    params: dict[str, dict] = {}
     records = {}
-    for n in names:
-        if n not in SCHEMES or not SCHEMES[n].key.accepts("codebook"):
+    for v in rows:
+        p = {**args.scheme_params.get(v.scheme, {}), **args.scheme_params.get(v.label, {}), **v.mods}
+        if p:
+            params[v.label] = p
+        if v.scheme not in SCHEMES or not SCHEMES[v.scheme].key.accepts("codebook"):
             continue
-        if "codebook" not in params.get(n, {}):
-            path = ensure_codebook(args.model, CalibrationConfig(scheme=n, seed=args.seed),
+        if "codebook" not in p:
+            path = ensure_codebook(args.model, CalibrationConfig(scheme=v.scheme, seed=args.seed),
                                    progress=not args.no_progress)
-            params.setdefault(n, {})["codebook"] = str(path)
-        path = Path(params[n]["codebook"])
+            params.setdefault(v.label, {})["codebook"] = str(path)
+        path = Path(params[v.label]["codebook"])
         books = RVQCodebooks.load(path)
-        records[n] = dict(path=str(path), sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
-                          codebook_bytes=books.nbytes, file_bytes=path.stat().st_size,
-                          model=books.model.describe(), provenance=books.provenance)
+        records[v.label] = dict(path=str(path), sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                                codebook_bytes=books.nbytes, file_bytes=path.stat().st_size,
+                                model=books.model.describe(), provenance=books.provenance)
     return params, records
 
 

@@ -388,6 +388,8 @@ class VllmEngine(Engine):
         geo = model_geometry(model_dir)
         self.geometry = geo
         self.head_dim = geo["head_dim"]
+        self.num_layers = geo["layers"]
+        self.skip_layers = tuple(skip_layers)
         self.max_positions = int(max_model_len or min(geo["max_positions"],
                                                       int(os.environ.get("VLLM_ENGINE_MAX_MODEL_LEN", 8192))))
         self.kv_space_gib, self.extra_args = kv_space_gib, list(extra_args)
@@ -502,6 +504,18 @@ class VllmEngine(Engine):
     def greedy_variants(self, ids, n, chunk, policies, references=None):
         self._check_variants(policies)
         return [self.greedy(ids, n, chunk)]
+
+    def chat_variants(self, ids, question, n, chunk, policies, stop_ids, tok):
+        """The answer through the server's ``/v1/chat/completions`` (the model's chat
+        template, greedy, stopping at the model's end of turn), as a user asks it."""
+        from bench.factual_prompts import chat_messages
+        self._check_variants(policies)
+        self._check_len(len(ids) + n)
+        server = self.server_for(chunk)
+        out = server.post("/v1/chat/completions", dict(model=server.model_name, temperature=0,
+                                                       messages=chat_messages(question), max_tokens=int(n)))
+        self._last_tokens = (out.get("usage") or {}).get("total_tokens", self._last_tokens)
+        return [(out["choices"][0]["message"]["content"] or "").strip()]
 
     def effective_bits(self) -> float:
         """Bits per element as served: the backend's own start-up figure over all layers
