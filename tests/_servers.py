@@ -28,7 +28,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KV_SPACE_GIB = 1
-COMMON = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4",
+COMMON = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4", "--block-size", "128",
           "--max-num-batched-tokens", "256", "--host", "127.0.0.1"]
 LOWBIT = {"protect": 0.2, "sink_tokens": 4, "skip_layers": [0]}
 NUM_BLOCKS = 10

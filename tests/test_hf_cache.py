@@ -88,19 +88,22 @@ def test_update_stores_packed_blocks_and_exact_tail(scheme, sink):
         s += n
         assert cache.get_seq_length() == s
     N = sum(sizes)
-    nb = (N - sink) // T
+    nb = N // T
     q = cache.layers[0]
     assert q.packed_k.dtype == torch.uint8 and q.packed_k.shape == (B, nb, H, kc.nbytes)
     assert q.packed_v.shape == (B, nb, H, vc.nbytes)
     assert torch.equal(q.sink_k, ks[:, :, :sink]) and torch.equal(q.sink_v, vs[:, :, :sink])
-    tail = sink + nb * T
+    tail = nb * T
     assert q.keys.dtype == torch.bfloat16 and torch.equal(q.keys, ks[:, :, tail:])
     assert torch.equal(q.values, vs[:, :, tail:])
-    # what a later forward sees: sinks exact, blocks through the codec, tail exact
+    # what a later forward sees: sinks exact, blocks through the codec (group 0 coded with
+    # its sink rows at the mean of its other rows, as the pages do), tail exact
     k_seen, v_seen = q.decoded()
-    blocks = ks[:, :, sink:tail].reshape(B, H, nb, T, D).permute(0, 2, 3, 1, 4)
+    coded = ks[:, :, :tail].clone()
+    coded[:, :, :sink] = coded[:, :, sink:T].mean(-2, keepdim=True)
+    blocks = coded.reshape(B, H, nb, T, D).permute(0, 2, 3, 1, 4)
     ref_blocks = kc.decode(kc.encode(blocks), torch.bfloat16).permute(0, 3, 1, 2, 4).reshape(B, H, nb * T, D)
-    assert torch.equal(k_seen[:, :, sink:tail], ref_blocks)
+    assert torch.equal(k_seen[:, :, sink:tail], ref_blocks[:, :, sink:])
     assert torch.equal(k_seen[:, :, :sink], ks[:, :, :sink])
     assert torch.equal(k_seen[:, :, tail:], ks[:, :, tail:])
     assert not torch.equal(k_seen, ks)  # something really was quantized
@@ -110,7 +113,7 @@ def test_update_stores_packed_blocks_and_exact_tail(scheme, sink):
     rep = cache.memory_report()
     assert rep["packed_bytes"] == B * nb * H * (kc.nbytes + vc.nbytes)
     assert rep["bf16_bytes"] == L * B * H * D * 2 * 2 * N
-    assert rep["full_precision_bytes"] == 2 * 2 * B * H * D * ((N - nb * T) + N)
+    assert rep["full_precision_bytes"] == 2 * 2 * B * H * D * ((N - nb * T) + sink + N)
     assert rep["total_bytes"] == rep["packed_bytes"] + rep["full_precision_bytes"]
     assert abs(rep["packed_bits_per_element"] - cache.effective_bits) < 1e-9
 
@@ -178,6 +181,11 @@ def test_refusals():
 
 
 # -- model level -----------------------------------------------------------------------
+def test_sinks_beyond_the_first_group_are_refused():
+    with pytest.raises(ValueError, match=r"sink_tokens must be an int in \[0, block_tokens=64\]"):
+        LowBitKVCache("kivi2", tiny_config(), sink_tokens=65)
+
+
 def test_all_layers_skipped_is_exact(model32):
     """Chunked prefill + decode through the cache == one-shot prefill (caching logic exact)."""
     torch.manual_seed(1)
@@ -185,8 +193,8 @@ def test_all_layers_skipped_is_exact(model32):
     with torch.inference_mode():
         ref = model32(ids).logits.float()
     sizes = [37, 64, 1, 20, 1, 1, 26]
-    for kw in (dict(skip_layers=range(L)), dict(sink_tokens=1000),
-               dict(block_tokens=4096, residual_tokens=0)):
+    for kw in (dict(skip_layers=range(L)), dict(block_tokens=4096, residual_tokens=0),
+               dict(block_tokens=4096, sink_tokens=4096, residual_tokens=0)):
         cache = LowBitKVCache("kivi2", model32.config, **kw)
         got = run_chunked(model32, ids, sizes, cache)
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)

@@ -182,7 +182,7 @@ def test_forced_attention_impl_is_checked_at_startup(model_dir, monkeypatch):
         _vllm_config(model_dir, "kivi2")
 
 
-def _fake_vllm_config(**model_kw):
+def _fake_vllm_config(user_block_size: bool = True, **model_kw):
     model = dict(is_hybrid=False, is_attention_free=False, is_encoder_decoder=False, use_mla=False,
                  model="fake", dtype=torch.bfloat16, get_total_num_hidden_layers=lambda: LAYERS,
                  get_head_size=lambda: HEAD_DIM, get_num_kv_heads=lambda pc: KV_HEADS,
@@ -192,7 +192,19 @@ def _fake_vllm_config(**model_kw):
         model_config=SimpleNamespace(**model), parallel_config=None, speculative_config=None,
         additional_config={},
         cache_config=SimpleNamespace(cache_dtype="vidkv", kv_cache_dtype_skip_layers=[],
-                                     block_size=128))
+                                     block_size=128, user_specified_block_size=user_block_size))
+
+
+@pytest.mark.parametrize("user_block_size,expected", [(True, 128), (False, 1024)])
+def test_block_size_is_the_schemes_page_unless_the_user_sets_one(model_dir, user_block_size, expected):
+    """vidkv's pages hold 1024 tokens (one sink area per 1024 tokens) unless --block-size
+    says otherwise (vLLM's CPU platform would pick 128)."""
+    from vllm_lowbit_kv.vllm_backend import check_vllm_config
+
+    cfg = _fake_vllm_config(user_block_size)
+    check_vllm_config(cfg)
+    assert get_scheme("vidkv").page_size == 1024
+    assert cfg.cache_config.block_size == expected
 
 
 @pytest.mark.parametrize("model_kw,reason", [

@@ -39,7 +39,7 @@ statistics the flips average out of:
   difference is >= 1.5x larger (measured 3.2-3.6x), so the test would fail if the
   two paths ran different codecs.
 
-One server per dtype (bfloat16, kivi2, vidkv), launched together at the start
+One server per configuration (bfloat16, kivi2 rotated, vidkv_paper), launched together at the start
 of the session and stopped after; about 2 minutes on 2 cores.
 """
 
@@ -58,7 +58,13 @@ from bench.vllm_engine import VllmEngine, VllmServer  # noqa: E402
 pytestmark = pytest.mark.slow
 
 C, N = 96, 480
-SCHEMES = ("kivi2", "vidkv")
+#: label -> (kv dtype, lowbit_kv fields): both read a 128-token residual window (the
+#: schemes' default residual_tokens) and kivi2 also rotates (rotate: hadamard), so the
+#: window and the rotation are each checked across the engines. (vidkv's default sinks
+#: are grouped differently by the two engines: HF groups after the sinks, the pages from
+#: position 0; vidkv_paper has none.)
+CONFIGS = {"kivi2@hadamard": ("kivi2", {"rotate": "hadamard"}), "vidkv_paper": ("vidkv_paper", {})}
+SCHEMES = tuple(CONFIGS)
 DTYPES = ("bfloat16", *SCHEMES)
 #: bounds (measured values in the module docstring)
 E0_MAX = 0.08               # bf16 vs bf16, mean |dlogprob|
@@ -89,7 +95,8 @@ def prompt(model_dir):
 @pytest.fixture(scope="session")
 def servers(model_dir):
     """bfloat16, kivi2 and vidkv servers, booting in parallel (HF runs meanwhile)."""
-    srv = {n: VllmServer(model_dir, n, chunk=C, max_model_len=1024, kv_space_gib=1, max_num_seqs=2)
+    srv = {n: VllmServer(model_dir, CONFIGS.get(n, (n,))[0], chunk=C, max_model_len=1024,
+                         kv_space_gib=1, max_num_seqs=2, additional_config=CONFIGS.get(n, (n, {}))[1])
            for n in DTYPES}
     try:
         for s in srv.values():
@@ -102,7 +109,8 @@ def servers(model_dir):
 
 @pytest.fixture(scope="session")
 def logprobs(servers, model_dir, prompt):
-    hf = {n: HFEngine(model_dir, n).logprobs_teacher_forced(prompt, C) for n in DTYPES}
+    hf = {n: HFEngine(model_dir, CONFIGS.get(n, (n,))[0], params=CONFIGS.get(n, (n, {}))[1])
+          .logprobs_teacher_forced(prompt, C) for n in DTYPES}
     vl = {}
     for n in DTYPES:
         vl[n] = servers[n].wait_ready().prompt_logprobs(prompt)
@@ -157,8 +165,9 @@ def test_codec_logprobs_match_hf(logprobs, scheme):
 
 def test_engine_greedy_and_memory_report(servers, model_dir, prompt, logprobs):
     """VllmEngine over a running server: greedy ids, capacity and bytes per token."""
-    eng = VllmEngine(model_dir, "kivi2", max_model_len=1024, kv_space_gib=1)
-    eng.server = servers["kivi2"].wait_ready()  # reuse: same dtype and chunk
+    eng = VllmEngine(model_dir, "kivi2", max_model_len=1024, kv_space_gib=1,
+                     params=CONFIGS["kivi2@hadamard"][1])
+    eng.server = servers["kivi2@hadamard"].wait_ready()  # reuse: same dtype and chunk
     out = eng.greedy(prompt[:200], 6, C)
     assert len(out) == 6 and all(isinstance(t, int) for t in out)
     again = eng.greedy(prompt[:200], 6, C)

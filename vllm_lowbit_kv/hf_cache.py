@@ -11,12 +11,14 @@ This is the public way to use the codecs from transformers::
 
 Storage, per layer and per sequence (tokens in position order)::
 
-    [ sink tokens | block 0 | block 1 | ... | tail ]
-      model dtype   packed uint8 (codec)      model dtype, < block_tokens tokens
+    [ block 0 | block 1 | ... | tail ]      + sinks: exact copies of the first tokens
+      packed uint8 (codec)      model dtype, < block_tokens tokens
 
-* The first ``sink_tokens`` tokens (attention sinks) stay in the model dtype
-  and are never quantized.
-* After the sinks, every complete group of ``block_tokens`` tokens is encoded
+* The first ``sink_tokens`` tokens (attention sinks) are also kept in the model
+  dtype and read from there, as the vLLM pages do (:mod:`vllm_lowbit_kv.paged`):
+  block 0 is coded with the sink rows replaced by the mean of its other rows,
+  so they do not stretch its statistics.
+* Every complete group of ``block_tokens`` tokens (from position 0) is encoded
   by the scheme's key and value codecs, and only the packed bytes are kept
   (``[B, n_blocks, kv_heads, nbytes]`` uint8, exactly ``codec.nbytes`` per
   (block, head)).
@@ -33,8 +35,8 @@ Storage, per layer and per sequence (tokens in position order)::
   state)``, e.g. the dynamic scheme's EMA recorders) get their blocks in
   order with the state threaded per layer; each block still decodes alone.
 
-What attention sees: ``update`` returns ``sinks ++ decode(packed blocks before
-the window) ++ window ++ tail``. The tokens written by the current forward are attended at model
+What attention sees: ``update`` returns ``decode(packed blocks before the
+window) ++ window ++ tail``, the sink positions taken from the sinks. The tokens written by the current forward are attended at model
 precision in that forward (``attend_new_exact=True``, the default, as in KIVI /
 VidKV Algorithm 1 and a fused kernel that attends the chunk it just wrote);
 every later forward sees them through the codec once their block is full.
@@ -86,6 +88,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .codecs.base import BlockCodec, ModelIdentity, require
+from .paged import SINK_RELEVANCE, mask_sink_rows
 from .rotation import HadamardRotation
 from .schemes import KVScheme, get_scheme
 
@@ -356,12 +359,12 @@ class LowBitLayer(DynamicLayer):
     @property
     def n_window(self) -> int:
         """Encoded blocks read from their exact copies (the residual window)."""
-        return min(self.window_groups, self.n_blocks)
+        return 0 if self.window_k is None else self.window_k.shape[-2] // self.block_tokens
 
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every cached token as attention sees it: sinks ++ decode(blocks before the
-        window) ++ the window's blocks exact ++ tail."""
-        ks, vs = [self.sink_k], [self.sink_v]
+        """Every cached token as attention sees it: decode(blocks before the window) ++ the
+        window's blocks exact ++ tail, the sink positions exact."""
+        ks, vs = [], []
         n_packed = self.n_blocks - self.n_window
         if n_packed:
             ks.append(self._decode(self.key_codec, self.packed_k[:, :n_packed]))
@@ -371,7 +374,10 @@ class LowBitLayer(DynamicLayer):
             vs.append(self.window_v)
         ks.append(self.keys)
         vs.append(self.values)
-        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+        k, v = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+        n = self.sink_k.shape[-2]  # sink positions are read from their exact copies
+        k[:, :, :n], v[:, :, :n] = self.sink_k, self.sink_v
+        return k, v
 
     @property
     def n_blocks(self) -> int:
@@ -397,13 +403,12 @@ class LowBitLayer(DynamicLayer):
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
             return self.keys, self.values
-        # 1. sinks take the first tokens
+        # 1. the first tokens are also kept exactly, as sinks
         n_sink = min(max(self.sink_tokens - self.sink_k.shape[-2], 0), key_states.shape[-2])
         if n_sink:
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :n_sink]], dim=-2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :n_sink]], dim=-2)
-            key_states, value_states = key_states[:, :, n_sink:], value_states[:, :, n_sink:]
-        # 2. the rest joins the tail; what attention sees now (new tokens exact)
+        # 2. everything joins the tail; what attention sees now (new tokens exact)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         full_k, full_v = self.decoded()
@@ -411,11 +416,19 @@ class LowBitLayer(DynamicLayer):
         n_full = self.keys.shape[-2] // self.block_tokens
         if n_full:
             m = n_full * self.block_tokens
-            start = self.sink_k.shape[-2] + self.n_blocks * self.block_tokens
+            start = self.n_blocks * self.block_tokens
             rel = self._relevance(full_k, full_v, start, start + m)
-            pk = self._encode("k", self.key_codec, self.keys[:, :, :m],
-                              rel if self.key_codec.uses_relevance else None)
-            pv = self._encode("v", self.value_codec, self.values[:, :, :m],
+            keys, values = self.keys[:, :, :m], self.values[:, :, :m]
+            s = min(self.sink_tokens, self.block_tokens)
+            if start == 0 and s:  # group 0, as the pages code it: sink rows never count
+                keys, values = keys.clone(), values.clone()
+                mask_sink_rows(keys[:, :, :self.block_tokens], s, dim=-2)
+                mask_sink_rows(values[:, :, :self.block_tokens], s, dim=-2)
+                if rel is not None:
+                    rel = rel.clone()
+                    rel[:, :s] = SINK_RELEVANCE
+            pk = self._encode("k", self.key_codec, keys, rel if self.key_codec.uses_relevance else None)
+            pv = self._encode("v", self.value_codec, values,
                               rel if self.value_codec.uses_relevance else None)
             self.packed_k = pk if self.packed_k is None else torch.cat([self.packed_k, pk], dim=1)
             self.packed_v = pv if self.packed_v is None else torch.cat([self.packed_v, pv], dim=1)
@@ -458,6 +471,9 @@ class LowBitLayer(DynamicLayer):
             self.q_obs, self.q_first, self.q_scale = queries
             self.key_pos = kept  # before _store: relevance is causal by original position
             self._store(k, v)
+            # rewritten groups are read from their codes, as the vLLM backend does after
+            # compacting (its window slots are released); later groups refill the window
+            self.window_k = self.window_v = None
         self.key_pos = kept
         self.exact_k, self.exact_v = [], []
 
@@ -474,7 +490,7 @@ class LowBitLayer(DynamicLayer):
         fp = sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.keys, self.values,
                                                          self.window_k, self.window_v)
                  if t is not None)
-        stored = self.sink_k.shape[-2] + packed_tokens + self.keys.shape[-2]
+        stored = packed_tokens + self.keys.shape[-2]
         return dict(tokens=self.length, stored_tokens=stored, packed_tokens=packed_tokens, packed_bytes=packed,
                     full_precision_bytes=fp, total_bytes=packed + fp,
                     bf16_bytes=B * H * D * 2 * 2 * self.length)
@@ -520,8 +536,10 @@ class LowBitKVCache(Cache):
         self.block_tokens = block_tokens or (self.scheme.block_tokens if self.scheme else 0)
         self.sink_tokens = sink_tokens if sink_tokens is not None else \
             (self.scheme.sink_tokens if self.scheme else 0)
-        require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
-                "sink_tokens", "an int >= 0", self.sink_tokens)
+        require(isinstance(self.sink_tokens, int) and 0 <= self.sink_tokens
+                <= max(self.block_tokens, 0 if self.scheme else self.sink_tokens), "sink_tokens",
+                f"an int in [0, block_tokens={self.block_tokens}] (the sinks live in a sequence's "
+                "first group, as in the vLLM pages)", self.sink_tokens)
         self.residual_tokens = residual_tokens if residual_tokens is not None else \
             (self.scheme.residual_tokens if self.scheme else 0)
         self.skip_layers = frozenset(int(i) for i in skip_layers)

@@ -598,6 +598,17 @@ class Staging:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.q) if t is not None)
 
 
+def mask_sink_rows(group: torch.Tensor, sinks: int, dim: int = 0) -> torch.Tensor:
+    """Set the first ``sinks`` rows (along ``dim``) of a sequence's group 0 to the mean of
+    its other rows, in place, and return it: the sinks are read exactly from elsewhere, so
+    they must not stretch the group's statistics. A group of sinks only is left as is."""
+    T = group.shape[dim]
+    if 0 < sinks < T:
+        rows = group.narrow(dim, 0, sinks)
+        rows.copy_(group.narrow(dim, sinks, T - sinks).mean(dim, keepdim=True).expand_as(rows))
+    return group
+
+
 def apply_writes(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value: torch.Tensor,
                  pages: torch.Tensor, staging: Staging, relevance: torch.Tensor | None = None,
                  query: torch.Tensor | None = None) -> None:
@@ -639,9 +650,8 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
         relevance = None if relevance is None else relevance.clone()
         for e in torch.nonzero(plan.enc_sink > 0).flatten().tolist():
             s = int(plan.enc_sink[e])
-            if s < T:  # sink rows take the mean of the others: no effect on the stats
-                tk[e, :s] = tk[e, s:].mean(0)
-                tv[e, :s] = tv[e, s:].mean(0)
+            mask_sink_rows(tk[e], s)
+            mask_sink_rows(tv[e], s)
             if relevance is not None:
                 relevance[e, :s] = SINK_RELEVANCE
     if rows is not None:

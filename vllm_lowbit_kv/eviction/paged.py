@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs.base import require
-from ..paged import PagedLayout, ReadPlan, Staging, make_read_plan
+from ..paged import PagedLayout, ReadPlan, Staging, make_read_plan, mask_sink_rows
 from .policies import EvictionPolicy
 
 __all__ = ["PagedEvictionGeometry", "paged_geometry", "request_context", "write_compacted",
@@ -118,9 +118,8 @@ def write_compacted(layout: PagedLayout, pages: torch.Tensor, block_ids, k: torc
         return
     tk = k.float().reshape(c // T, T, layout.H, layout.D).clone()
     tv = v.float().reshape(c // T, T, layout.H, layout.D).clone()
-    s = min(layout.sink_tokens, T)
-    if 0 < s < T:
-        tk[0, :s], tv[0, :s] = tk[0, s:].mean(0), tv[0, s:].mean(0)
+    mask_sink_rows(tk[0], layout.sink_tokens)
+    mask_sink_rows(tv[0], layout.sink_tokens)
     gids = _gids(block_ids, torch.arange(c // T), layout.groups_per_block)
     layout.write_states(pages, gids, layout.encode(tk, tv))
 
