@@ -160,9 +160,9 @@ class Engine(ABC):
     def effective_bits_at(self, context_tokens: int) -> float:
         """Honest bits per element of one ``context_tokens`` sequence over all layers:
         :meth:`KVScheme.effective_bits_at` (pages plus model-dtype staging) for packed
-        layers, 16 for ``skip_layers``; :data:`NATIVE_BITS` for the engine's own dtypes."""
+        layers, 16 for ``skip_layers``; :meth:`effective_bits` for the engine's own dtypes."""
         if self.scheme is None:
-            return NATIVE_BITS[self.kv_cache_dtype]
+            return self.effective_bits()
         packed = self.scheme.effective_bits_at(context_tokens, self.head_dim)
         s = len(self.skip_layers)
         return ((self.num_layers - s) * packed + s * 16.0) / self.num_layers
@@ -854,7 +854,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
 
     result: dict[str, Any] = dict(
         command="python -m bench.quality " + shlex.join(argv),
-        model=str(args.model), engine=args.engine,
+        model=Path(args.model).name, engine=args.engine,  # by name: results name no local path
         text=dict(source=text_src, sha256=hashlib.sha256(text.encode()).hexdigest(),
                   chars=len(text), tokens=len(all_ids)),
         settings=dict(max_tokens=args.max_tokens, ppl_tokens=len(ppl_ids), chunk=args.chunk,
@@ -1032,7 +1032,7 @@ def scheme_params(rows: Sequence[Variant], args: argparse.Namespace
             params.setdefault(v.label, {})["codebook"] = str(path)
         path = Path(params[v.label]["codebook"])
         books = RVQCodebooks.load(path)
-        records[v.label] = dict(path=str(path), sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+        records[v.label] = dict(file=path.name, sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
                                 codebook_bytes=books.nbytes, file_bytes=path.stat().st_size,
                                 model=books.model.describe(), provenance=books.provenance)
     return params, records

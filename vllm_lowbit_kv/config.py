@@ -98,6 +98,8 @@ from .schemes import MAX_PAGE_TOKENS, MAX_RESIDUAL_TOKENS, KVScheme, get_scheme
 #: key of vLLM's ``--additional-config`` object holding our configuration
 ADDITIONAL_CONFIG_KEY = "lowbit_kv"
 DEFAULT_OBS_WINDOW = 32
+#: context lengths (tokens) of the bits-with-staging figures in the start-up line
+BITS_AT_CONTEXTS = (4096, 8192, 32768)
 
 EVICTION_FIELDS = ("eviction", "retention", "eviction_gamma", "eviction_sinks", "recent_window",
                    "eviction_layer_cap")
@@ -307,7 +309,9 @@ class LowBitKVConfig(BaseModel):
                          model_dtype_bytes: int = 2) -> dict[str, Any]:
         """Honest bits per K/V element: ``groups`` (the codec groups), ``pages`` (every
         byte of a page: sink area, padding), ``overall`` (over all layers, the
-        ``skip_layers`` in the model dtype); ``layout`` is the page layout."""
+        ``skip_layers`` in the model dtype), ``at_context`` (one sequence of L tokens, L in
+        :data:`BITS_AT_CONTEXTS`: its pages plus its model-dtype staging, residual window and
+        partial group, over all layers); ``layout`` is the page layout."""
         from .paged import PagedLayout
         import torch
 
@@ -317,8 +321,14 @@ class LowBitKVConfig(BaseModel):
                              dtype)
         page = layout.bits_per_element
         n_skip = len(self.skip_layers)
-        overall = (page * (num_layers - n_skip) + 8 * model_dtype_bytes * n_skip) / num_layers
-        return dict(groups=scheme.effective_bits(head_dim), pages=page, overall=overall, layout=layout)
+
+        def over_layers(packed: float) -> float:
+            return (packed * (num_layers - n_skip) + 8 * model_dtype_bytes * n_skip) / num_layers
+        # one sequence of L tokens: its pages plus its staging (residual window, partial group)
+        at = {L: over_layers(scheme.effective_bits_at(L, head_dim, block_size, model_dtype_bytes))
+              for L in BITS_AT_CONTEXTS}
+        return dict(groups=scheme.effective_bits(head_dim), pages=page, overall=over_layers(page),
+                    at_context=at, layout=layout)
 
     def summary(self, name: str, scheme: KVScheme, *, head_dim: int, num_kv_heads: int,
                 num_layers: int, block_size: int, model_dtype_bytes: int = 2) -> str:
@@ -337,11 +347,14 @@ class LowBitKVConfig(BaseModel):
         return (
             f"lowbit-kv: --kv-cache-dtype {name} ({scheme.summary}); {codec_desc}; "
             f"block_tokens={scheme.block_tokens} sink_tokens={scheme.sink_tokens} "
+            f"residual_tokens={scheme.residual_tokens} rotate={scheme.rotate} "
             f"skip_layers={self.skip_layers} obs_window={self.obs_window}"
             f"{' (STP relevance)' if scheme.uses_relevance else ''}; set: {self.explicit() or '{}'}. "
             f"Effective bits/element: groups {packed:.3f} (K {kc.effective_bits:.3f}, "
             f"V {vc.effective_bits:.3f}), pages {page:.3f} with sink area, "
-            f"{overall:.3f} over all {num_layers} layers ({n_skip} in the model dtype); "
+            f"{overall:.3f} over all {num_layers} layers ({n_skip} in the model dtype), "
+            f"with staging at " + "/".join(f"{L // 1024}K" for L in bits["at_context"]) + " tokens: "
+            + "/".join(f"{b:.3f}" for b in bits["at_context"].values()) + "; "
             f"{layout.page_bytes} B per {block_size}-token page per layer "
             f"({layout.bytes_per_token:.1f} B/token vs {2 * num_kv_heads * head_dim * model_dtype_bytes} "
             f"in the model dtype)"
