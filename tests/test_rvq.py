@@ -130,8 +130,7 @@ def test_round_trip_shapes_and_nbytes(case, dtype, lead):
 
 def test_bits_are_honest():
     """Indices plus one fp16 std per token-head vector, nothing else in the pages."""
-    expect = {"rvq": 2.75 + 0.25, "rvq8x256": 2.0 + 0.25, "rvq6x256": 1.5 + 0.25,
-              "rvq4x256": 1.0 + 0.25, "rvq2x256": 0.5 + 0.25}
+    expect = {"rvq": 2.75 + 0.25, "rvq8x256": 2.0 + 0.25, "rvq4x256": 1.0 + 0.25, "rvq2x256": 0.5 + 0.25}
     for name, bits in expect.items():
         k, v = get_scheme(name).codecs(64)
         assert k.effective_bits == v.effective_bits == get_scheme(name).effective_bits(64) == bits

@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2)")
     p.add_argument("--kv-cache-dtype", dest="scheme", default=d.scheme,
-                   help="the RVQ scheme whose codebooks to learn (rvq, rvq8x256, rvq6x256, rvq4x256, rvq2x256)")
+                   help="the RVQ scheme whose codebooks to learn (rvq, rvq8x256, rvq4x256, rvq2x256)")
     p.add_argument("--num-codebooks", type=int, default=None, help="K (default: the scheme's)")
     p.add_argument("--codebook-size", type=int, default=None, help="C (default: the scheme's)")
     p.add_argument("--group-size", type=int, default=None, help="code dimension (default: the scheme's)")

@@ -231,10 +231,10 @@ for _bits in (4, 2):
                       CodecSpec(DynamicCodec, {"bits": _bits, "axis": "token"})))
 
 # RVQ (seed 001): the paper's K=8 x C=2048 and smaller quantizers down to about 1 bit.
-# Bits at head_dim 64 (indices + fp16 std per token): 3.0, 2.25, 1.75, 1.25, 0.75. Every one
+# Bits at head_dim 64 (indices + fp16 std per token): 3.0, 2.25, 1.25, 0.75. Every one
 # needs a codebook file (lowbit_kv field ``codebook``; python -m vllm_lowbit_kv.calibrate).
-for _name, _k, _c in (("rvq", 8, 2048), ("rvq8x256", 8, 256), ("rvq6x256", 6, 256),
-                      ("rvq4x256", 4, 256), ("rvq2x256", 2, 256)):
+for _name, _k, _c in (("rvq", 8, 2048), ("rvq8x256", 8, 256), ("rvq4x256", 4, 256),
+                      ("rvq2x256", 2, 256)):
     _rvq = {"num_codebooks": _k, "codebook_size": _c}
     register(KVScheme(_name, f"RVQ {_k} codebooks x {_c} codes per 32-channel group, std-scaled "
                              "(K strided groups, V contiguous; learned codebooks, seed 001)",
