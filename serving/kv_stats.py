@@ -332,7 +332,7 @@ class KVStatsCollector:
         yield gauge("blocks_used", "KV blocks in use (from vLLM's kv_cache_usage)", s.blocks.used)
         yield gauge("blocks_free", "KV blocks allocatable", s.blocks.free)
         st = s.staging
-        yield gauge("staging_slots_total", "bf16 staging slots (outside the KV budget)",
+        yield gauge("staging_slots_total", "bf16 staging slots (inside the KV budget)",
                     st.slots_total if st else None)
         yield gauge("staging_slots_in_use", "bf16 staging slots holding a partial group",
                     st.slots_in_use if st else None)

@@ -64,7 +64,7 @@ def worker_snapshot(worker: Any = None) -> dict[str, Any]:
     allocation its ``KVCacheConfig.kv_cache_tensors`` share), ``num_blocks`` the
     blocks it holds;
     ``staging_*``: slots of the bf16 staging pools (:class:`~vllm_lowbit_kv.paged.StagingAllocator`),
-    which sit outside vLLM's KV budget; ``eviction_enabled`` / ``evicted_pairs``: :data:`EVICTION`.
+    which the KV budget pays for (:func:`~vllm_lowbit_kv.vllm_backend.staging_bytes`); ``eviction_enabled`` / ``evicted_pairs``: :data:`EVICTION`.
     """
     pools = staging_pools()
     out: dict[str, Any] = dict(
