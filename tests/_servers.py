@@ -3,7 +3,8 @@
 ``server`` (session fixture, made visible to every test module by conftest.py) is
 the ONE shared vidkv server of a test session, about 30 s to start on the
 embedded SmolLM2, configured to exercise everything at once: STP (``protect``
-0.2, relevance from the prefill queries), 4 bf16 sink tokens, layer 0 kept in
+0.2, relevance from the prefill queries), 4 bf16 sink tokens, a 128-token
+residual window (two groups per sequence in staging), layer 0 kept in
 bf16 (``skip_layers``), chunked prefill (max_num_batched_tokens=256, so a long
 prompt's later chunks read the packed pages), prefix caching (vLLM's default),
 and only :data:`NUM_BLOCKS` KV blocks (``--num-gpu-blocks-override``) so that
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KV_SPACE_GIB = 1
 COMMON = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4", "--block-size", "128",
           "--max-num-batched-tokens", "256", "--host", "127.0.0.1"]
-LOWBIT = {"protect": 0.2, "sink_tokens": 4, "skip_layers": [0]}
+LOWBIT = {"protect": 0.2, "sink_tokens": 4, "residual_tokens": 128, "skip_layers": [0]}
 NUM_BLOCKS = 10
 STATS_ROUTE = "/v1/kv_cache/stats"
 #: the backend's staging log line (LOWBIT_KV_LOG_STAGING=1)

@@ -64,7 +64,8 @@ def test_static_figures_match_vllm_and_the_backend(server):
     assert cap["bf16_equivalent_tokens"] == bf16_tokens
     assert cap["x_bf16"] == pytest.approx(cap["tokens"] / bf16_tokens, abs=1e-4)
 
-    assert stats["staging"]["slots_total"] == 4 * stats["staging"]["pools"]  # --max-num-seqs 4
+    # --max-num-seqs 4, each with its 2-group residual window and its partial group
+    assert stats["staging"]["slots_total"] == 4 * 3 * stats["staging"]["pools"]
     assert stats["eviction"] == {"enabled": False, "evicted_pairs": 0}
     assert stats["worker_error"] is None
 

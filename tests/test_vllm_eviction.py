@@ -121,7 +121,7 @@ def test_freed_blocks_are_given_back_and_reused(model_dir, tmp_path):
     assert -(-len(a_ids) // BS) == 16 and -(-len(b_ids) // BS) == 16
     srv = VllmServer(model_dir, "kivi4", chunk=512, max_model_len=3072, max_num_seqs=4,
                      additional_config=EVICTION, kv_space_gib=1, log_path=tmp_path / "server.log",
-                     extra_args=["--num-gpu-blocks-override", str(BLOCKS)])
+                     extra_args=["--num-gpu-blocks-override", str(BLOCKS), "--block-size", str(BS)])
     with srv:
         events: list = []
         a = threading.Thread(target=_stream, args=(srv, a_ids, 400, events))

@@ -153,7 +153,7 @@ def test_config_logged_once_with_effective_bits(server):
     assert "protect=0.2" in lines[0] and "sink_tokens=4" in lines[0] and "skip_layers=[0]" in lines[0]
     assert "(STP relevance)" in lines[0] and "Effective bits/element" in lines[0]
     # layer 0 gets vLLM's own bf16 attention, the other 29 our packed pages
-    assert re.search(r"lowbit-kv pages: \d+ bytes per block .*; 29 layers; staging: 4 slots", log)
+    assert re.search(r"lowbit-kv pages: \d+ bytes per block .*; 29 layers; staging: 12 slots", log)
     assert "staging pool" not in log and "Traceback" not in log
 
 
