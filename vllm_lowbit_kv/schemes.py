@@ -202,14 +202,15 @@ register(KVScheme("kivi4", "KIVI 4-bit: K per-channel, V per-token",
 VIDKV_KEY = CodecSpec(VidKVKeyCodec, {"k": 0.5, "fft": True})
 VIDKV_VALUE = {"gamma": 0.7, "protect": 0.0}
 # vidkv: the best VidKV configuration at <= 2.25 bits per element at 8K tokens, picked
-# by the yardstick (bench/results/quality_tuning_hf.md): 4 exact sink tokens bring most of
-# the quality back (PPL 1.39x -> 1.05x bf16); a residual window on top gains little
-# (1.045x -> 1.026x) for 0.25 bits at 8K, more than the budget leaves. 1024-token pages
-# pay the sink area once per 1024 tokens (page bytes 1.996 bits, 2.121 at 8K).
+# by the yardstick (bench/results/quality_tuning_hf.md): 4 exact sink tokens bring most
+# of the quality back (PPL 1.44x -> 1.08x bf16), a 64-token residual window and the
+# Hadamard rotation the rest of what the budget allows (1.04x); 1024-token pages pay
+# the sink area once per 1024 tokens (pages 1.996 bits, 2.246 at 8K with staging).
 register(KVScheme("vidkv", "VidKV: K 1.5-bit (range-selected 2/1-bit, FFT), V ternary "
-                           "per-channel; 4 exact sink tokens, no residual window",
+                           "per-channel; 4 exact sink tokens, 64-token residual window, "
+                           "Hadamard-rotated",
                   VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), sink_tokens=4,
-                  residual_tokens=0, page_tokens=1024))
+                  residual_tokens=64, page_tokens=1024, rotate="hadamard"))
 register(KVScheme("vidkv_paper", "VidKV as in the paper: K 1.5-bit FFT, V ternary per-channel, "
                                  "full-precision residual of the last 128 tokens, no sinks",
                   VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), residual_tokens=128))
