@@ -39,7 +39,8 @@ Metrics (DESIGN.md, "How quality is measured"), each scheme against the
 Variants (``--variants``, also accepted in ``--kv-cache-dtype``): a scheme with
 cache fields changed, one row each, labelled as written:
 ``SCHEME[@MOD[+MOD...]]`` with MOD ``R<N>`` (``residual_tokens`` N, ``R0``: no
-bf16 window), ``S<N>`` (``sink_tokens``), ``G<N>`` (``block_tokens``), ``hadamard`` / ``norotate`` (``rotate``), ``seed<N>``
+bf16 window), ``S<N>`` (``sink_tokens``), ``G<N>`` (``block_tokens``), ``P<N>``
+(``page_tokens``), ``hadamard`` / ``norotate`` (``rotate``), ``seed<N>``
 (``rotate_seed``), e.g. ``vidkv@R0``, ``kivi2@hadamard``,
 ``kivi2@R0+hadamard``. They go through the scheme-parameter path
 (``--scheme-params``, which takes scheme names or variant labels as keys), so
@@ -441,6 +442,7 @@ VARIANT_MODIFIERS: tuple[tuple[str, str, Any, str], ...] = (
     (r"R(\d+)", "residual_tokens", lambda m: int(m.group(1)), "R<N> (residual_tokens N; R0: no bf16 window)"),
     (r"S(\d+)", "sink_tokens", lambda m: int(m.group(1)), "S<N> (sink_tokens N)"),
     (r"G(\d+)", "block_tokens", lambda m: int(m.group(1)), "G<N> (block_tokens N: tokens per group)"),
+    (r"P(\d+)", "page_tokens", lambda m: int(m.group(1)), "P<N> (page_tokens N: tokens per vLLM page)"),
     (r"hadamard", "rotate", lambda m: "hadamard", "hadamard (rotate hadamard)"),
     (r"norotate", "rotate", lambda m: "none", "norotate (rotate none)"),
     (r"seed(\d+)", "rotate_seed", lambda m: int(m.group(1)), "seed<N> (rotate_seed N)"),
