@@ -180,8 +180,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        kv_space_gib=args.kv_space_gib, max_num_seqs=4)
     result = dict(
         command="python -m bench.capacity " + shlex.join(argv),
-        server_command=f"VLLM_CPU_KVCACHE_SPACE={args.kv_space_gib} " + shlex.join(probe.command(0)),
-        model=args.model, kv_space_gib=args.kv_space_gib, max_model_len=args.max_model_len,
+        # the model by its served name: results name no path of the machine that made them
+        server_command=f"VLLM_CPU_KVCACHE_SPACE={args.kv_space_gib} "
+        + shlex.join(probe.command(0)).replace(str(args.model), Path(args.model).name)
+        .replace(sys.executable, "python"),
+        model=Path(args.model).name, kv_space_gib=args.kv_space_gib, max_model_len=args.max_model_len,
         native_dtypes=sorted(NATIVE_DTYPES), target_factor=TARGET_FACTOR,
         rows=rows, elapsed_s=round(time.time() - t0, 1),
         all_servable_meet_target=all(r["meets_target"] for r in rows if r["status"] == "ok"),
