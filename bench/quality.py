@@ -535,10 +535,10 @@ def agreement_prompts(ids: list[int], start: int, n: int, length: int) -> list[l
 
 
 # ----------------------------------------------------------------------------- output
-def format_table(rows: list[dict], lengths: Sequence[int] = ()) -> str:
+def format_table(rows: list[dict]) -> str:
     """Markdown table: scheme/variant, page bits, bits@8K, PPL, PPL ratio, passkey hits/cases
-    [95% CI], chat answers equal to bf16's, agreement, seconds. (``lengths``: unused, kept
-    for callers; ``passkey_by_length`` is in the JSON.)"""
+    [95% CI], chat answers equal to bf16's, agreement, seconds (``passkey_by_length`` and
+    ``passkey_by_depth`` are in the JSON)."""
     head = ["scheme/variant", "page bits", "bits@8K", "PPL", "xbf16", "passkey [95% CI]", "chat=bf16",
             "agree", "s"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
@@ -995,7 +995,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                                                **eng_kw, params=params.get(name)), [v])
         bar.update(work_per_scheme)
     bar.close()
-    print(format_table(result["rows"], args.passkey_lengths))
+    print(format_table(result["rows"]))
     if args.png:
         Path(args.png).parent.mkdir(parents=True, exist_ok=True)
         title = f"{Path(args.model).name}, {len(ppl_ids)} tokens, chunk {args.chunk}"

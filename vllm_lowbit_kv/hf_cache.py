@@ -536,8 +536,8 @@ class LowBitKVCache(Cache):
         self.block_tokens = block_tokens or (self.scheme.block_tokens if self.scheme else 0)
         self.sink_tokens = sink_tokens if sink_tokens is not None else \
             (self.scheme.sink_tokens if self.scheme else 0)
-        require(isinstance(self.sink_tokens, int) and 0 <= self.sink_tokens
-                <= max(self.block_tokens, 0 if self.scheme else self.sink_tokens), "sink_tokens",
+        require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0
+                and (self.scheme is None or self.sink_tokens <= self.block_tokens), "sink_tokens",
                 f"an int in [0, block_tokens={self.block_tokens}] (the sinks live in a sequence's "
                 "first group, as in the vLLM pages)", self.sink_tokens)
         self.residual_tokens = residual_tokens if residual_tokens is not None else \
