@@ -60,9 +60,7 @@ pytestmark = pytest.mark.slow
 C, N = 96, 480
 #: label -> (kv dtype, lowbit_kv fields): both read a 128-token residual window (the
 #: schemes' default residual_tokens) and kivi2 also rotates (rotate: hadamard), so the
-#: window and the rotation are each checked across the engines. (vidkv's default sinks
-#: are grouped differently by the two engines: HF groups after the sinks, the pages from
-#: position 0; vidkv_paper has none.)
+#: window and the rotation are each checked across the engines.
 CONFIGS = {"kivi2@hadamard": ("kivi2", {"rotate": "hadamard"}), "vidkv_paper": ("vidkv_paper", {})}
 SCHEMES = tuple(CONFIGS)
 DTYPES = ("bfloat16", *SCHEMES)
