@@ -62,7 +62,11 @@ def test_matches_loop_transcription(x, bits, axis):
     y = codec.decode(codec.encode(x))
     for h in range(H):
         ref = kivi_loop_reference(x[:, h], bits, axis, 8)
-        torch.testing.assert_close(y[:, h], ref, rtol=0, atol=1e-6)
+        # the same levels; zero + q * scale may round differently in the two transcriptions
+        # (fp16 terms of the block's magnitude cancel: hypothesis found 0.09375 at |x| ~ 1000),
+        # far below one level (range / 2**bits)
+        tol = 2**-9 * float(x[:, h].abs().max()) + 1e-6
+        torch.testing.assert_close(y[:, h], ref, rtol=0, atol=tol)
 
 
 def test_leading_block_dims():
