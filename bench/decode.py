@@ -27,13 +27,13 @@ import http.client
 import json
 import os
 import platform
-import shlex
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
 
+from bench import portable
 from bench.plotting import pyplot, save
 from bench.vllm_engine import VllmServer, model_geometry
 
@@ -131,10 +131,10 @@ def measure(args) -> dict:
                                    if x["kv_cache_dtype"] == d) for d in args.dtypes}
     ref = args.dtypes[0]
     return dict(
-        command=" ".join(shlex.quote(a) for a in [sys.executable, "-m", "bench.decode"]
-                         + sys.argv[1:]),
+        command=portable.command([sys.executable, "-m", "bench.decode", *sys.argv[1:]], [model_dir]),
         machine=dict(cpu=_cpu_name(), cores=os.cpu_count(), platform=platform.platform()),
-        model=model_dir, geometry=geo, batch=args.batch, prompt_tokens=args.prompt_tokens,
+        model=portable.model_name(model_dir), geometry=geo, batch=args.batch,
+        prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens, chunk=args.chunk, kv_space_gib=args.kv_space_gib,
         attention_impl=os.environ.get("LOWBIT_KV_ATTENTION_IMPL", "auto"),
         rounds=rounds, median_decode_tokens_per_s=median,

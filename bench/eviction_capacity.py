@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench import portable
 from bench.plotting import pyplot, save
 
 GIB = 1 << 30
@@ -165,7 +165,7 @@ def measure(args, model: str, eviction: dict | None) -> dict:
                 prompt_tokens=[len(p) for p in prompts], gen_tokens=args.measure_gen,
                 max_running=seen.get("max_running"), preemptions=float(m.group(1)) if m else None,
                 wall_s=round(wall, 1), answers_complete=all(o and len(o) == args.measure_gen for o in outs),
-                freed_blocks_per_request=freed, server_command=shlex.join(srv.command(0)))
+                freed_blocks_per_request=freed, server_command=portable.command(srv.command(0), [model]))
 
 
 def plot(result: dict, path: str) -> None:
@@ -200,7 +200,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.model is None:
         from vllm_lowbit_kv.model import prepare_model
         args.model = str(prepare_model())
-    result = dict(command="python -m bench.eviction_capacity " + shlex.join(argv), model=args.model,
+    result = dict(command=portable.command(["python", "-m", "bench.eviction_capacity", *argv],
+                                                   [args.model]),
+                  model=portable.model_name(args.model),
                   kv_space_gib=args.kv_space_gib, prompt_tokens=args.prompt_tokens,
                   gen_tokens=args.gen_tokens, block_size=args.block_size, layer_cap=args.layer_cap,
                   policy=args.policy, retentions=args.retentions,

@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench import portable
 from bench.plotting import pyplot, save
 from vllm_lowbit_kv.ops import AUTO_ORDER, IMPLEMENTATIONS, implementation, unsupported_reason
 from vllm_lowbit_kv.paged import PagedLayout
@@ -226,8 +226,7 @@ def measure(args) -> dict:
                       f"floor {100 * row['floor_frac']:5.1f}%  "
                       + " ".join(f"x{row[k]:.2f} {k[11:]}" for k in row if k.startswith("speedup")),
                       flush=True)
-    return dict(command=" ".join(shlex.quote(a) for a in [sys.executable, "-m", "bench.kernels"]
-                                 + sys.argv[1:]),
+    return dict(command=portable.command([sys.executable, "-m", "bench.kernels", *sys.argv[1:]]),
                 device=device_name(device), device_type=device.type,
                 threads=torch.get_num_threads(), torch=torch.__version__,
                 copy_bandwidth_GBps=bandwidth / 1e9,

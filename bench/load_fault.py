@@ -41,7 +41,6 @@ import http.client
 import json
 import random
 import re
-import shlex
 import socket
 import struct
 import sys
@@ -53,6 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import portable
 from bench.vllm_engine import metric_value, percentiles
 
 #: kind -> (weight in the random draw, HTTP statuses it may get; None = we hung up first)
@@ -316,7 +316,8 @@ def run_load(port: int, *, clients: int, duration: float, max_requests: int = 10
                                            r"staging pool exhausted)", log)))
     summary = dict(
         clients=clients, duration_s=duration, grace_s=grace, max_requests=max_requests, seed=seed,
-        model=model, max_model_len=max_model_len, requests=len(outcomes), load_s=load_s,
+        model=portable.model_name(model), max_model_len=max_model_len, requests=len(outcomes),
+        load_s=load_s,
         by_kind={k: dict(v) for k, v in sorted(by_kind.items())},
         kinds_missing=sorted(set(KINDS) - set(by_kind)),
         five_xx=len(five_xx), documented_5xx=DOCUMENTED_5XX,
@@ -376,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             server.start()
             port, log_path = server.port, server.log_path
             server_command = f"VLLM_CPU_KVCACHE_SPACE={a['kv_space_gib']} LOWBIT_KV_LOG_STAGING=1 " \
-                             + shlex.join(server.command(port))
+                             + portable.command(server.command(port), [server.model_dir])
         else:
             port, log_path = args.port, args.server_log
         print(f"load: {args.clients} clients for {args.duration:.0f} s against 127.0.0.1:{port}",
@@ -388,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     finally:
         if server is not None:
             server.stop()
-    result = dict(command="python -m bench.load_fault " + shlex.join(argv),
+    result = dict(command=portable.command(["python", "-m", "bench.load_fault", *argv]),
                   server_command=server_command, **summary)
     print(json.dumps({k: result[k] for k in ("requests", "by_kind", "five_xx", "unexpected", "idle",
                                              "idle_state", "passed")}, indent=1))

@@ -45,7 +45,6 @@ import json
 import math
 import os
 import random
-import shlex
 import sys
 import threading
 import time
@@ -53,6 +52,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import portable
 from bench.plotting import pyplot, save
 from bench.vllm_engine import ServerRefused, VllmServer, metric_value, percentiles
 
@@ -348,9 +348,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB))
     rows: list[dict] = []
     result = dict(
-        command="python -m bench.throughput " + shlex.join(argv),
-        server_command="env -u VLLM_CPU_KVCACHE_SPACE " + shlex.join(probe.command(0)),
-        model=args.model, kv_cache_bytes=int(args.kv_cache_mib * MIB), requests=args.requests,
+        command=portable.command(["python", "-m", "bench.throughput", *argv], [args.model]),
+        server_command="env -u VLLM_CPU_KVCACHE_SPACE "
+        + portable.command(probe.command(0), [args.model]),
+        model=portable.model_name(args.model), kv_cache_bytes=int(args.kv_cache_mib * MIB),
+        requests=args.requests,
         prompt_tokens=[lo, hi], prompt_tokens_total=sum(len(p) for p in prompts),
         output_tokens=args.output_tokens, rates=[r if not math.isinf(r) else "inf" for r in rates],
         seed=args.seed, max_num_seqs=args.max_num_seqs, chunk=args.chunk, dtypes=dtypes,
