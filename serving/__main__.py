@@ -28,6 +28,22 @@ request's prefill (:mod:`vllm_lowbit_kv.vllm_eviction`): shorthands for the
 caching is turned off unless a prefix-caching flag is given (eviction rewrites
 a request's blocks, so they cannot be shared; an explicit
 ``--enable-prefix-caching`` is refused at start-up with the reason).
+
+Defaults (each applies only where neither a flag nor the environment, nor a
+``--config`` YAML file, says otherwise; :func:`defaults`):
+
+* ``--host 127.0.0.1``: reachable from this machine only (vLLM's own default
+  binds every interface); ``--host 0.0.0.0`` serves the network (the Docker
+  images say so explicitly);
+* the embedded model served as ``SmolLM2-135M-Instruct`` (``--served-model-name
+  SmolLM2-135M-Instruct <its folder>``: the short name is the one reported, the
+  folder's path is still accepted);
+* on vLLM's CPU platform: ``VLLM_CPU_KVCACHE_SPACE=2`` (GiB of KV cache; not set
+  when ``--kv-cache-memory-bytes`` or ``--gpu-memory-utilization`` is given),
+  ``--kv-cache-dtype vidkv``, ``--enforce-eager`` (skips about 60 s of
+  torch.compile warm-up; not with ``-O``/``--compilation-config``) and
+  ``--max-num-seqs 32`` (each running sequence holds bf16 staging slots paid from
+  the KV budget). Elsewhere vLLM's own defaults stand.
 """
 
 from __future__ import annotations
@@ -101,6 +117,85 @@ def _merge_lowbit_config(argv: list[str]) -> list[str]:
     return [*argv, "--additional-config", json.dumps(additional)]
 
 
+#: defaults of every platform: flag -> its value(s)
+DEFAULT_HOST = "127.0.0.1"
+#: defaults on vLLM's CPU platform (scripts/main.sh's, before they moved here)
+CPU_DEFAULTS: dict[str, list[str]] = {"--kv-cache-dtype": ["vidkv"], "--enforce-eager": [],
+                                      "--max-num-seqs": ["32"]}
+CPU_KV_SPACE_ENV, CPU_KV_SPACE_GIB = "VLLM_CPU_KVCACHE_SPACE", "2"
+#: flags that, given, mean the user chose the KV size / compilation themselves
+KV_SIZE_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+COMPILE_FLAGS = ("--enforce-eager", "--no-enforce-eager", "-O", "--compilation-config", "-cc")
+
+
+def _norm(flag: str) -> str:
+    """``--max_num_seqs=3`` -> ``--max-num-seqs`` (vLLM's parser takes both spellings)."""
+    head = flag.split("=", 1)[0]
+    return "--" + head[2:].replace("_", "-") if head.startswith("--") else head
+
+
+def _config_keys(argv: list[str]) -> set[str]:
+    """Flags set by a ``--config FILE.yaml`` (vLLM reads it; CLI flags would override it)."""
+    _, path = _pop_flag(list(argv), "--config")
+    if not path:
+        return set()
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError):
+        return set()  # vLLM reports the file's problem itself
+    return {"--" + str(k).replace("_", "-") for k in data} if isinstance(data, dict) else set()
+
+
+def given_flags(argv: list[str]) -> set[str]:
+    """Every flag ``argv`` sets (normalized; dotted ``--x.y`` counts as ``--x``; ``-O3`` as ``-O``)."""
+    flags = {_norm(a).split(".", 1)[0] for a in argv if a.startswith("--")}
+    flags |= {f for f in ("-O", "-cc") for a in argv if a == f or a.startswith(f + ".")
+              or a.startswith(f + "=") or (f == "-O" and a.startswith("-O") and a[2:3].isdigit())}
+    return flags | _config_keys(argv)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _model_arg(argv: list[str]) -> str | None:
+    _, model = _pop_flag(list(argv), "--model")
+    return model
+
+
+def defaults(argv: list[str], environ: dict[str, str] | None = None,
+             cpu: bool | None = None) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment variables the launcher adds to ``argv`` (module docstring)."""
+    environ = os.environ if environ is None else environ
+    cpu = _on_cpu() if cpu is None else cpu
+    given = given_flags(argv)
+    add: list[str] = []
+    env: dict[str, str] = {}
+    if "--host" not in given:
+        add += ["--host", DEFAULT_HOST]
+    from vllm_lowbit_kv.model import MODEL_NAME, cache_root
+
+    model = _model_arg(argv)
+    embedded = cache_root() / MODEL_NAME
+    if model and "--served-model-name" not in given and os.path.isdir(model) \
+            and os.path.realpath(model) == os.path.realpath(embedded):
+        add += ["--served-model-name", MODEL_NAME, model]
+    if cpu:
+        for flag, values in CPU_DEFAULTS.items():
+            if flag == "--enforce-eager" and given & set(COMPILE_FLAGS):
+                continue
+            if flag not in given:
+                add += [flag, *values]
+        if not environ.get(CPU_KV_SPACE_ENV) and not given & set(KV_SIZE_FLAGS):
+            env[CPU_KV_SPACE_ENV] = CPU_KV_SPACE_GIB
+    return add, env
+
+
 def build_argv(argv: list[str]) -> list[str]:
     argv = list(argv)
     if argv and not argv[0].startswith("-"):
@@ -115,6 +210,9 @@ def build_argv(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = build_argv(sys.argv[1:] if argv is None else argv)
+    add, env = defaults(argv)
+    argv += add
+    os.environ.update(env)
     os.environ.pop("LOWBIT_KV_CONFIG_LOGGED", None)  # a fresh server logs its config once
     from vllm_lowbit_kv.vllm_plugin import register
 

@@ -8,7 +8,8 @@ plugins, so with ``vllm serve`` name both of ours::
     VLLM_PLUGINS=lowbit_kv,lowbit_kv_stats vllm serve MODEL --kv-cache-dtype vidkv
 
 ``python -m serving`` attaches it itself (:func:`attach_in_process`), without
-touching ``VLLM_PLUGINS``. The route answers for every KV dtype (bfloat16 and
+touching ``VLLM_PLUGINS`` (and without vLLM's warning that an installed endpoint
+plugin is not allowlisted, which would be about ours). The route answers for every KV dtype (bfloat16 and
 fp8 too, with ``scheme: null``), which makes the figures comparable.
 
 The API server is not the engine process, so every figure says where it comes
@@ -28,13 +29,16 @@ from; none is invented:
   ``1 - free / (num_gpu_blocks - 1)`` (block 0 is its reserved null block), so
   ``used = round(usage * (num_gpu_blocks - 1))`` exactly and
   ``used + free = num_gpu_blocks - 1``. Not available with ``--disable-log-stats``;
-* staging slots, evicted pairs: only the worker knows them. They come from
+* staging slots, evicted pairs: only the workers know them. They come from
   ``engine_client.collective_rpc("lowbit_kv_stats")``
   (:mod:`vllm_lowbit_kv.kv_stats`) on every call of the route and every
   :data:`REFRESH_S` seconds in the background (``LOWBIT_KV_STATS_REFRESH_S``);
-  the gauges show the latest answer and the route states its age. Evicted pairs
-  stay 0 with ``enabled: false`` until an eviction policy feeds
-  :data:`vllm_lowbit_kv.kv_stats.EVICTION`.
+  the gauges show the latest answer and the route states its age. Every rank
+  answers (tensor / pipeline parallelism): its staging slots, KV bytes and
+  evicted pairs are added up (:func:`merge_ranks`), so the figures are the
+  whole engine's. Evicted pairs count the K/V pairs (token x KV head x layer)
+  each compaction dropped (:func:`vllm_lowbit_kv.vllm_eviction.evicted_pairs`),
+  ``enabled: false`` when no eviction policy is configured.
 
 Gauges (labels ``model_name``, ``kv_cache_dtype``), each figure of the route:
 ``lowbit_kv:effective_bits{part=groups|pages|overall|allocated}``,
@@ -57,7 +61,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 logger = logging.getLogger("vllm.lowbit_kv.stats")
 
@@ -73,14 +77,25 @@ NATIVE_BITS = {"fp8": 8.0, "fp8_e4m3": 8.0, "fp8_e5m2": 8.0}
 
 # --------------------------------------------------------------------------- response
 class SchemeInfo(BaseModel):
+    """The effective scheme configuration: the very object the start-up log prints
+    (``lowbit-kv: scheme_config {...}``, :func:`vllm_lowbit_kv.kv_stats.scheme_config`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
     name: str
     summary: str = Field(description="the scheme's one-line description")
     key_codec: str
     value_codec: str
     block_tokens: int = Field(description="tokens per quantization group")
     sink_tokens: int
+    residual_tokens: int = Field(description="most recent tokens read in bf16 from staging")
+    rotate: str
+    page_tokens: int = Field(description="tokens per vLLM page (the block size)")
     skip_layers: list[int] = Field(description="layers kept in the model dtype")
-    obs_window: int | None = Field(description="STP observation window (None: no relevance)")
+    obs_window: int = Field(description="queries scoring STP relevance")
+    stp_relevance: bool = Field(description="the scheme uses STP relevance (obs_window applies)")
+    eviction: dict[str, Any] | None = Field(description="KV eviction after prefill (None: off)")
+    attention_impl: str
     set_fields: dict[str, Any] = Field(description="lowbit_kv fields set explicitly")
 
 
@@ -138,10 +153,32 @@ class KVCacheStats(BaseModel):
     blocks: Blocks
     staging: Staging | None = Field(description="None for vLLM's own dtypes (no staging)")
     eviction: Eviction | None
+    workers: int | None = Field(None, description="worker ranks whose figures are added up "
+                                "(tensor x pipeline parallel size)")
     worker_error: str | None = Field(None, description="why the worker figures are stale")
 
 
 # --------------------------------------------------------------------------- sources
+#: worker figures that add up over the ranks of a tensor/pipeline-parallel engine
+SUMMED = ("staging_pools", "staging_slots_total", "staging_slots_in_use", "staging_stale_reused",
+          "evicted_pairs", "kv_cache_bytes")
+
+
+def merge_ranks(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's figures from every worker's answer (one per rank: under tensor
+    parallelism each holds its share of the KV heads, under pipeline parallelism its
+    layers, each its own staging pools and its own evicted pairs)."""
+    if not answers:
+        raise RuntimeError("no worker answered")
+    out = dict(answers[0])
+    for key in SUMMED:
+        values = [a.get(key) for a in answers]
+        out[key] = None if any(v is None for v in values) else sum(values)
+    out["eviction_enabled"] = any(a.get("eviction_enabled") for a in answers)
+    out["ranks"] = len(answers)
+    return out
+
+
 @functools.cache
 def _scheduler_tap_class():
     from vllm.v1.metrics.loggers import AggregateStatLoggerBase
@@ -180,7 +217,9 @@ class KVStats:
         self.model_dtype_bytes = torch.empty(0, dtype=mc.dtype).element_size()
         self.lowbit = is_lowbit_dtype(self.kv_cache_dtype)
         self.num_layers = mc.get_total_num_hidden_layers()
-        self.num_kv_heads = mc.get_num_kv_heads(pc)
+        # the whole engine's (every rank's figures are added up: :func:`merge_ranks`)
+        self.num_kv_heads = mc.get_total_num_kv_heads()
+        self.ranks = int(pc.world_size)
         self.head_dim = mc.get_head_size()
         self.block_size = int(cc.block_size)
         self.num_blocks = int(cc.num_gpu_blocks or 0)
@@ -204,24 +243,15 @@ class KVStats:
         if not self.lowbit:
             native = NATIVE_BITS.get(self.kv_cache_dtype, 8.0 * self.model_dtype_bytes)
             return None, dict(groups=None, pages=None, overall=native)
-        from vllm_lowbit_kv.config import LowBitKVConfig, describe_codec
+        from vllm_lowbit_kv.kv_stats import scheme_config
+        from vllm_lowbit_kv.vllm_backend import resolve_config, resolve_scheme
 
-        cc = self.vllm_config.cache_config
-        cfg = LowBitKVConfig.from_additional_config(self.vllm_config.additional_config)
-        # the backend merges vLLM's --kv-cache-dtype-skip-layers into the effective list
-        skip = sorted({int(x) for x in (cc.kv_cache_dtype_skip_layers or []) if str(x).isdigit()}
-                      | set(cfg.skip_layers))
-        cfg = cfg.model_copy(update={"skip_layers": skip})
-        scheme = cfg.scheme(self.kv_cache_dtype)
-        bits = cfg.bits_per_element(scheme, head_dim=self.head_dim, num_kv_heads=self.num_kv_heads,
-                                    num_layers=self.num_layers, block_size=self.block_size,
+        info = SchemeInfo(**scheme_config(self.vllm_config))
+        cfg = resolve_config(self.vllm_config).model_copy(update={"skip_layers": info.skip_layers})
+        bits = cfg.bits_per_element(resolve_scheme(self.vllm_config), head_dim=self.head_dim,
+                                    num_kv_heads=self.num_kv_heads, num_layers=self.num_layers,
+                                    block_size=self.block_size,
                                     model_dtype_bytes=self.model_dtype_bytes)
-        kc, vc = scheme.codecs(self.head_dim)
-        info = SchemeInfo(name=self.kv_cache_dtype, summary=scheme.summary, key_codec=describe_codec(kc),
-                          value_codec=describe_codec(vc), block_tokens=scheme.block_tokens,
-                          sink_tokens=scheme.sink_tokens, skip_layers=skip,
-                          obs_window=cfg.obs_window if scheme.uses_relevance else None,
-                          set_fields=cfg.explicit())
         return info, dict(groups=bits["groups"], pages=bits["pages"], overall=bits["overall"])
 
     # ------------------------------------------------------------------ worker
@@ -233,7 +263,8 @@ class KVStats:
             try:
                 answers = await asyncio.wait_for(
                     self.engine_client.collective_rpc(WORKER_METHOD), timeout)
-                self.worker, self.worker_t, self.worker_error = answers[0], time.monotonic(), None
+                self.worker, self.worker_t, self.worker_error = merge_ranks(answers), \
+                    time.monotonic(), None
             except Exception as e:  # noqa: BLE001 - a dead or busy engine must not break the route
                 self.worker_error = f"{type(e).__name__}: {e}"[:500]
 
@@ -294,7 +325,8 @@ class KVStats:
             model=self.model, kv_cache_dtype=self.kv_cache_dtype, model_dtype=self.model_dtype,
             lowbit=self.lowbit, scheme=self.scheme_info,
             effective_bits=EffectiveBits(**self.bits, allocated=allocated), capacity=capacity,
-            blocks=blocks, staging=staging, eviction=eviction, worker_error=self.worker_error)
+            blocks=blocks, staging=staging, eviction=eviction, workers=w.get("ranks"),
+            worker_error=self.worker_error)
 
 
 # --------------------------------------------------------------------------- /metrics
@@ -402,7 +434,14 @@ def attach_in_process() -> None:
         return
 
     def load_endpoint_plugins(supported_tasks=None):
-        found = original(supported_tasks)
+        import vllm.envs as envs
+        from importlib.metadata import entry_points
+
+        others = [p.name for p in entry_points(group="vllm.endpoint_plugins") if p.name != PLUGIN_NAME]
+        # With VLLM_PLUGINS unset vLLM loads no endpoint plugin and warns about every one
+        # installed, ours included, which this launcher attaches anyway: ask only when
+        # another plugin is installed (the warning is then about it, rightly).
+        found = original(supported_tasks) if envs.VLLM_PLUGINS is not None or others else []
         if not any(getattr(p, "name", None) == PLUGIN_NAME for p in found) and \
                 supported_tasks is not None and set(KVStatsPlugin.required_tasks) & set(supported_tasks):
             found.append(KVStatsPlugin())

@@ -9,13 +9,21 @@ vLLM's endpoint-plugin contract names for this. The general plugin
 installs :data:`WORKER_METHOD` on vLLM's ``WorkerBase``; it returns
 :func:`worker_snapshot`.
 
-Eviction feeds :data:`EVICTION` in the worker process:
-``EVICTION.enable()`` once when an eviction policy is configured, then
-``EVICTION.record(n)`` for every ``n`` K/V pairs it drops (one pair = one
-token's key and value of one KV head in one layer). Until then the figures
-say ``enabled: false`` and 0 pairs.
+Eviction feeds :data:`EVICTION` in the worker process: it is enabled when the
+worker's config names an eviction policy, and
+:func:`vllm_lowbit_kv.vllm_eviction.compact_ordered` calls ``EVICTION.record(n)``
+for the ``n`` K/V pairs each compaction drops (one pair = one token's key and
+value of one KV head in one layer, of this worker's heads). The API server
+reads it with :data:`WORKER_METHOD`, as it reads the staging figures; under
+tensor or pipeline parallelism every rank answers for its own layers and heads
+and the server adds them up.
 
-No vLLM import here: the worker side reads what vLLM objects it is handed.
+:func:`scheme_config` is the effective scheme configuration as one plain
+object: the start-up log prints it (``lowbit-kv: scheme_config {...}``, once per
+server) and ``/v1/kv_cache/stats`` serves it as ``scheme``, so the two cannot
+disagree.
+
+No vLLM import at module level: the worker side reads what vLLM objects it is handed.
 """
 
 from __future__ import annotations
@@ -48,6 +56,39 @@ class EvictionCounter:
 EVICTION = EvictionCounter()
 
 
+def scheme_config(vllm_config: Any) -> dict[str, Any]:
+    """The effective configuration of a lowbit-kv ``--kv-cache-dtype``, as the engine runs it,
+    from a ``VllmConfig`` that vLLM has checked (:func:`~vllm_lowbit_kv.vllm_backend.check_vllm_config`
+    merged ``--kv-cache-dtype-skip-layers`` and set the page size): plain JSON data."""
+    from .config import describe_codec
+    from .vllm_backend import resolve_config, resolve_scheme
+
+    cc, mc = vllm_config.cache_config, vllm_config.model_config
+    scheme, cfg = resolve_scheme(vllm_config), resolve_config(vllm_config)
+    skip = sorted({int(x) for x in (cc.kv_cache_dtype_skip_layers or []) if str(x).isdigit()}
+                  | set(cfg.skip_layers))
+    kc, vc = scheme.codecs(mc.get_head_size())
+    eviction = None
+    if cfg.eviction is not None:
+        eviction = dict(policy=cfg.eviction, retention=cfg.retention, gamma=cfg.eviction_gamma,
+                        sinks=cfg.eviction_sinks, recent_window=cfg.recent_window,
+                        layer_cap=cfg.eviction_layer_cap)
+    return dict(
+        name=str(cc.cache_dtype), summary=scheme.summary, key_codec=describe_codec(kc),
+        value_codec=describe_codec(vc), block_tokens=scheme.block_tokens,
+        sink_tokens=scheme.sink_tokens, residual_tokens=scheme.residual_tokens,
+        rotate=scheme.rotate, page_tokens=int(cc.block_size), skip_layers=skip,
+        obs_window=cfg.obs_window, stp_relevance=bool(scheme.uses_relevance),
+        eviction=eviction, attention_impl=cfg.attention_impl or "auto",
+        set_fields=cfg.explicit())
+
+
+def _eviction_configured(vllm_config: Any) -> bool:
+    extra = getattr(vllm_config, "additional_config", None)
+    lowbit = extra.get("lowbit_kv") if isinstance(extra, dict) else None
+    return isinstance(lowbit, dict) and bool(lowbit.get("eviction"))
+
+
 def staging_pools() -> list[Any]:
     """The staging allocators of the LOWBIT_KV metadata builders alive in this process
     (one per KV cache group served by our backend; none if it was never built)."""
@@ -66,6 +107,8 @@ def worker_snapshot(worker: Any = None) -> dict[str, Any]:
     ``staging_*``: slots of the bf16 staging pools (:class:`~vllm_lowbit_kv.paged.StagingAllocator`),
     which the KV budget pays for (:func:`~vllm_lowbit_kv.vllm_backend.staging_bytes`); ``eviction_enabled`` / ``evicted_pairs``: :data:`EVICTION`.
     """
+    if not EVICTION.enabled and _eviction_configured(getattr(worker, "vllm_config", None)):
+        EVICTION.enable()
     pools = staging_pools()
     out: dict[str, Any] = dict(
         staging_pools=len(pools),

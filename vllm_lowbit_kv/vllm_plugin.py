@@ -20,7 +20,10 @@ explains each hook):
    ``lowbit_kv`` additional config is validated against the model, its
    ``skip_layers`` become vLLM's ``kv_cache_dtype_skip_layers``, and the
    effective configuration is logged once
-   (:func:`vllm_lowbit_kv.vllm_backend.check_vllm_config`). Other dtypes are
+   (:func:`vllm_lowbit_kv.vllm_backend.check_vllm_config`), followed by the
+   same configuration as one JSON object (``lowbit-kv: scheme_config {...}``,
+   :func:`vllm_lowbit_kv.kv_stats.scheme_config`, what ``/v1/kv_cache/stats``
+   serves as ``scheme``). Other dtypes are
    untouched (a stray ``lowbit_kv`` entry only draws a warning);
 6. on any other platform (CUDA, ROCm, ...), where no backend of ours exists
    yet, refuses our dtypes when vLLM builds its config;
@@ -132,9 +135,18 @@ def _patch_cpu_config_check() -> None:
         orig_func(cls, vllm_config)
         cache_dtype = vllm_config.cache_config.cache_dtype
         if is_lowbit_dtype(cache_dtype):
-            from .vllm_backend import check_vllm_config
+            import json
+            import os
 
+            from .kv_stats import scheme_config
+            from .vllm_backend import _LOGGED_ENV, check_vllm_config
+
+            before = os.environ.get(_LOGGED_ENV)
             check_vllm_config(vllm_config)
+            if os.environ.get(_LOGGED_ENV) != before:  # it logged its summary: once per server
+                # the object /v1/kv_cache/stats serves as "scheme"
+                logger.info("lowbit-kv: scheme_config %s", json.dumps(scheme_config(vllm_config),
+                                                                      sort_keys=True))
         elif isinstance(vllm_config.additional_config, dict) and \
                 "lowbit_kv" in vllm_config.additional_config:
             if (vllm_config.additional_config["lowbit_kv"] or {}).get("eviction"):
