@@ -228,11 +228,6 @@ class LowBitKVConfig(BaseModel):
             raw = additional_config.get(ADDITIONAL_CONFIG_KEY)
         return cls.parse(raw)
 
-    @classmethod
-    def from_file(cls, path: str | Path) -> "LowBitKVConfig":
-        """A JSON file holding the fields (or ``{"lowbit_kv": {fields}}``)."""
-        return cls.parse(load_file(path))
-
     # -- use --------------------------------------------------------------------------
     def codec_params(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump().items()

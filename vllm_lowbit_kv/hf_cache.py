@@ -88,7 +88,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .codecs.base import BlockCodec, ModelIdentity, require
-from .paged import SINK_RELEVANCE, mask_sink_rows
+from .paged import SINK_RELEVANCE, attention_mass, mask_sink_rows
 from .rotation import HadamardRotation
 from .schemes import KVScheme, get_scheme
 
@@ -305,23 +305,17 @@ class LowBitLayer(DynamicLayer):
         self.q_scale = scale
 
     def _attention_mass(self, keys: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Attention mass of the observation window on tokens start:end -> [B, H, end - start]."""
+        """Attention mass of the observation window on tokens start:end -> [B, H, end - start]
+        (:func:`~vllm_lowbit_kv.paged.attention_mass`, the pages' definition)."""
         if self.q_obs is None:
             raise RuntimeError(
                 f"layer {self.layer_idx}: relevance='attention' but no queries were recorded; "
                 "create the cache with model=... (installs the query hooks) or call "
                 "install_query_hooks(model), or use relevance='keynorm'")
-        B, H, N, D = keys.shape
-        q = self.q_obs
-        Hq, w = q.shape[1], q.shape[2]
-        G = Hq // H
-        qg = q.reshape(B, H, G * w, D)  # query head h*G+g uses KV head h (repeat_kv)
-        scores = torch.matmul(qg, keys.float().transpose(-1, -2)) * self.q_scale  # [B, H, G*w, N]
-        qpos = (self.q_first + torch.arange(w, device=keys.device)).repeat(G)
-        kpos = torch.arange(N, device=keys.device) if self.key_pos is None else self.key_pos.to(keys.device)
-        scores = scores.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
-        mass = torch.softmax(scores, dim=-1).sum(dim=-2)  # [B, H, N]
-        return mass[:, :, start:end]
+        mass = torch.stack([attention_mass(q.transpose(0, 1), self.q_first, k.transpose(0, 1),
+                                           self.q_scale, self.key_pos)
+                            for q, k in zip(self.q_obs, keys)])  # [B, N, H]
+        return mass[:, start:end].transpose(1, 2)
 
     def _relevance(self, keys: torch.Tensor, values: torch.Tensor, start: int, end: int) -> torch.Tensor | None:
         """Relevance of tokens start:end as [B, end - start, H], or None."""

@@ -1,0 +1,125 @@
+"""Attention over what a step reads: the exact parts (sinks, staged window and tail, fresh
+tokens), the context keys for relevance, and the attention mass STP scores tokens by
+(one definition for this package and :mod:`vllm_lowbit_kv.hf_cache`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .layout import PagedLayout
+from .plan import ReadPlan
+from .write import Staging
+
+
+def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, scale: float
+           ) -> torch.Tensor:
+    """Causal attention of ``q`` fresh queries at positions ctx_len.. over keys 0..ctx_len+q-1.
+
+    query [q, Hq, D]; k, v [S, Hkv, D] with S = ctx_len + q -> [q, Hq, D] float32.
+    """
+    q_len, S = query.shape[0], k.shape[0]
+    qi = torch.arange(q_len).unsqueeze(1) + ctx_len
+    mask = torch.arange(S).unsqueeze(0) <= qi
+    out = F.scaled_dot_product_attention(
+        query.float().transpose(0, 1).unsqueeze(0), k.float().transpose(0, 1).unsqueeze(0),
+        v.float().transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
+        enable_gqa=query.shape[1] != k.shape[1])
+    return out.squeeze(0).transpose(0, 1)
+
+
+def attention_mass(q_win: torch.Tensor, first_pos: int, keys: torch.Tensor, scale: float,
+                   key_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention mass of an observation window on every key: STP's relevance (VidKV eq. 7
+    with the window's queries as the text query), for the pages and for hf_cache alike.
+
+    q_win [w, Hq, D] (queries at positions first_pos..first_pos+w-1), keys [S, H, D]
+    (at positions ``key_pos`` [S], default 0..S-1) -> [S, H]: softmax over the keys each
+    query may see (causal), summed over the window's queries and the query heads of
+    each KV head (head h*G+g uses KV head h).
+    """
+    w, Hq, D = q_win.shape
+    S, H = keys.shape[0], keys.shape[1]
+    G = Hq // H
+    qg = q_win.float().permute(1, 0, 2).reshape(H, G * w, D)
+    scores = torch.matmul(qg, keys.float().permute(1, 2, 0)) * scale  # [H, G*w, S]
+    qpos = (first_pos + torch.arange(w, device=keys.device)).repeat(G)
+    kpos = torch.arange(S, device=keys.device) if key_pos is None else key_pos.to(keys.device)
+    scores = scores.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1).sum(dim=-2).transpose(0, 1)
+
+
+def read_staged(buf: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` tokens of the runs ``slots`` [..., S] of staging ``buf`` [slots, T,
+    ...] (slot after slot): [..., n, ...] float32."""
+    run = buf[slots]  # [..., S, T, H, D]
+    lead = slots.dim() - 1
+    return run.reshape(*run.shape[:lead], -1, *run.shape[lead + 2:])[..., :n, :, :].float()
+
+
+def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 attention with an additive mask, and its log-sum-exp.
+
+    q [B, Q, Hq, D]; k, v [B, E, H, D]; bias [B, 1, Q, E] (every row attends to one key
+    at least) -> out [B, Q, Hq, D], lse [B, Q, Hq].
+    """
+    G = q.shape[2] // k.shape[2]
+    q = q.float().transpose(1, 2)
+    k = k.float().repeat_interleave(G, dim=2).transpose(1, 2)
+    v = v.float().repeat_interleave(G, dim=2).transpose(1, 2)
+    if q.device.type == "cpu":  # fused, no [Q, E] score matrix (prefill chunks)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    else:
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, pages: torch.Tensor, staging: Staging, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every fresh row over its request's exact keys (:class:`ExactBatch`): out
+    [n, Hq, D] float32 and lse [n, Hq], to merge with the packed part."""
+    n, Hq, D = query.shape[0], query.shape[1], query.shape[2]
+    out = torch.empty(n, Hq, D, dtype=torch.float32, device=query.device)
+    lse = torch.empty(n, Hq, dtype=torch.float32, device=query.device)
+    for b in rplan.exact:
+        ks, vs = [], []
+        if b.sinks:
+            sk, sv = layout.read_sinks_batch(pages, b.sink_blocks, b.sinks)
+            ks.append(sk)
+            vs.append(sv)
+        if b.tail:
+            ks.append(read_staged(staging.k, b.tail_slots, b.tail))
+            vs.append(read_staged(staging.v, b.tail_slots, b.tail))
+        ks.append(key[b.rows].float())
+        vs.append(value[b.rows].float())
+        o, l = attend_with_lse(query[b.rows], torch.cat(ks, 1), torch.cat(vs, 1),
+                               b.bias.to(query.device), scale)
+        out[b.rows] = o
+        lse[b.rows] = l
+    return out, lse
+
+
+def context_keys(rplan: ReadPlan, r: int, layout: PagedLayout, pages: torch.Tensor,
+                 staging: Staging) -> torch.Tensor:
+    """Request r's context keys as read before this step: [ctx, H, D] float32 (packed
+    groups decoded, sink positions from the sink area, the staged window and tail)."""
+    H, D, T = layout.H, layout.D, layout.T
+    g = int(rplan.num_groups[r])
+    parts = []
+    if g:
+        dk, _ = layout.decode(layout.read_states(pages, rplan.group_table[r, :g]))
+        dk = dk.reshape(g * T, H, D)
+        s = int(rplan.skip_tokens[r])
+        if s:
+            dk[:s] = layout.read_sinks(pages, rplan.first_block[r], s)[0]
+        parts.append(dk)
+    part = rplan.ctx_len[r] - g * T
+    if part:
+        slots = rplan.window_slots[r] + ([rplan.tail_slot[r]] if rplan.ctx_len[r] % T else [])
+        parts.append(read_staged(staging.k, torch.tensor(slots), part))
+    return torch.cat(parts) if parts else torch.empty(0, H, D)

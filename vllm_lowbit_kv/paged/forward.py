@@ -1,0 +1,111 @@
+"""One layer, one step: what the attention backend calls (writes, then reads, merged)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..codecs.base import require
+from ..ops import merge_attention, packed_attention_reference
+from .attention import attention_mass, context_keys, exact_attention
+from .layout import PagedLayout
+from .plan import EMPTY_INDEX, ReadPlan, WritePlan
+from .write import Staging, encode_groups, stage_tokens
+
+
+def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor,
+                  key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, staging: Staging,
+                  scale: float, out: torch.Tensor, obs_window: int | None = None,
+                  packed_attention=None) -> None:
+    """One layer, one step: encode the groups this step completes (with STP relevance
+    when ``obs_window`` is given and the codecs use it) and write sink tokens; then every
+    request attends to its context (pages + staged tail + sinks) and its fresh tokens in
+    full precision; then the fresh tokens of incomplete groups are staged. Writes
+    ``out[:tokens]``.
+
+    Pages are written before anyone reads them because vLLM's prefix cache can hand a
+    request, in the same step, a block another request is filling (blocks are cached
+    when scheduled): the reader must see it encoded. A request's own completed groups
+    are never in its context, and staging is written last, so writing first changes
+    nothing for the writer. Relevance is computed from the context as stored, so a
+    request reading another's completed groups has its own encoded after them
+    (:func:`_encode_in_dependency_order`).
+
+    The packed groups go through ``packed_attention`` (an implementation of the
+    contract of :mod:`vllm_lowbit_kv.ops`, default its PyTorch reference), which reads
+    packed bytes only (with a rotating layout: the query rotated, the output
+    un-rotated, :mod:`vllm_lowbit_kv.rotation`); the exact keys are attended by
+    :func:`exact_attention`; the two parts are merged by log-sum-exp. Only steps that complete a group of an STP
+    request decode that request's context (its relevance needs the attention mass
+    over every key)."""
+    n = rplan.q_start[-1]
+    _encode_in_dependency_order(wplan, rplan, layout, query, key, value, pages, staging, scale,
+                                obs_window)
+    if n:
+        res, res_lse = exact_attention(rplan, layout, query[:n], key, value, pages, staging,
+                                       scale)
+        if rplan.page_gids.numel():
+            rot = layout.rotation
+            p_out, p_lse = (packed_attention or packed_attention_reference)(
+                query[:n] if rot is None else rot.rotate(query[:n].float()), rplan.q_start_t, pages,
+                layout, rplan.group_table, rplan.num_groups, rplan.skip_tokens, scale)
+            if rot is not None:
+                p_out = rot.unrotate(p_out)
+            res, _ = merge_attention(p_out, p_lse, res, res_lse)
+        out[:n] = res.to(out.dtype)
+    stage_tokens(wplan, key, value, staging, query)
+
+
+def _encode_in_dependency_order(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout,
+                                query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                pages: torch.Tensor, staging: Staging, scale: float,
+                                obs_window: int | None) -> None:
+    """Encode the step's completed groups. Without relevance: all at once. With it, in
+    waves: a request's groups once every completed group its context reads is encoded
+    (a same-step prefix-cache hit reads groups its writer completes in this step)."""
+    E = wplan.enc_gids.numel()
+    if obs_window is None or E == 0:
+        encode_groups(wplan, layout, key, value, pages, staging)
+        return
+    require(staging.q is not None, "staging.q", "allocated for relevance", None)
+    enc_req = wplan.enc_req
+    require(bool((enc_req >= 0).all()), "WritePlan.enc_req", "known for relevance",
+            enc_req.tolist())
+    rel = torch.zeros(E, layout.T, layout.H)
+    encode_groups(wplan, layout, key, value, pages, staging, rows=EMPTY_INDEX)  # sinks only
+    done = torch.zeros(E, dtype=torch.bool)
+    while not bool(done.all()):
+        pending = wplan.enc_gids[~done]
+        ready = [r for r in sorted(set(enc_req[~done].tolist()))
+                 if not bool(torch.isin(rplan.page_gids[rplan.page_start[r]:rplan.page_start[r + 1]],
+                                        pending).any())]
+        if not ready:
+            raise RuntimeError("lowbit-kv: completed groups read each other in one step; "
+                               "refusing to encode with relevance from unwritten pages")
+        for r in ready:
+            _fill_relevance(rel, r, wplan, rplan, layout, query, key, pages, staging, scale,
+                            obs_window)
+        wave = ~done & torch.isin(enc_req, torch.tensor(ready))
+        encode_groups(wplan, layout, key, value, pages, staging, rel, torch.nonzero(wave).flatten())
+        done |= wave
+
+
+def _fill_relevance(rel: torch.Tensor, r: int, wplan: WritePlan, rplan: ReadPlan,
+                    layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
+                    pages: torch.Tensor, staging: Staging, scale: float, obs_window: int) -> None:
+    """``rel`` rows of request r's completed groups: the attention mass its observation
+    window puts on each of their tokens."""
+    T = layout.T
+    qs, qe, ctx = rplan.q_start[r], rplan.q_start[r + 1], rplan.ctx_len[r]
+    k_all = torch.cat([context_keys(rplan, r, layout, pages, staging), key[qs:qe].float()])
+    p = ctx + (qe - qs) - 1  # last position written in this step
+    w0 = max(0, p - obs_window + 1)
+    qw = [query[qs + max(0, w0 - ctx):qe]]
+    if w0 < ctx:  # earlier queries of the window: staged with the partial group
+        gstart = ctx - ctx % T
+        require(w0 >= gstart and rplan.tail_slot[r] >= 0, "obs_window",
+                f"<= block_tokens ({T})", obs_window)
+        qw.insert(0, staging.q[rplan.tail_slot[r], w0 - gstart:ctx - gstart])
+    mass = attention_mass(torch.cat(qw), w0, k_all, scale)  # [S, H]
+    for e in torch.nonzero(wplan.enc_req == r).flatten().tolist():
+        s0 = int(wplan.enc_start[e])
+        rel[e] = mass[s0:s0 + T]

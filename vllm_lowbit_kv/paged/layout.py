@@ -1,0 +1,163 @@
+"""Page geometry: the bytes of one page, the codec calls that fill and read them, and the
+sink area every page carries (the first step of a KV block's trip, see the package doc)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..codecs.base import BlockCodec, require
+from ..rotation import HadamardRotation
+
+
+#: byte alignment of a group's state (and so of every page)
+STATE_ALIGN = 4
+#: relevance given to sink rows of group 0: below any attention mass (never protected)
+SINK_RELEVANCE = -1.0
+
+
+class PagedLayout:
+    """Byte layout of a packed page and the codec calls that fill and read it."""
+
+    def __init__(self, key_codec: BlockCodec, value_codec: BlockCodec, num_kv_heads: int,
+                 block_size: int, sink_tokens: int = 0, sink_dtype: torch.dtype = torch.bfloat16,
+                 rotation: HadamardRotation | None = None):
+        T = key_codec.block_tokens
+        require(value_codec.block_tokens == T, "value codec block_tokens",
+                f"equal to the key codec's ({T})", value_codec.block_tokens)
+        require(value_codec.head_dim == key_codec.head_dim, "value codec head_dim",
+                f"equal to the key codec's ({key_codec.head_dim})", value_codec.head_dim)
+        require(isinstance(block_size, int) and block_size > 0 and block_size % T == 0,
+                "block_size", f"a positive multiple of the scheme's block_tokens ({T})",
+                block_size)
+        require(isinstance(num_kv_heads, int) and num_kv_heads >= 1, "num_kv_heads",
+                "an int >= 1", num_kv_heads)
+        require(isinstance(sink_tokens, int) and 0 <= sink_tokens <= T, "sink_tokens",
+                f"an int in [0, block_tokens={T}] (the sinks live in a sequence's first group)",
+                sink_tokens)
+        self.key_codec, self.value_codec = key_codec, value_codec
+        self.T, self.D, self.H = T, key_codec.head_dim, num_kv_heads
+        self.block_size = block_size
+        self.groups_per_block = block_size // T
+        self.k_bytes, self.v_bytes = key_codec.nbytes, value_codec.nbytes
+        #: K then V bytes of one group of one head, padded to a multiple of 4 bytes
+        #: (vLLM zeroes new blocks in 4-byte words and needs 4-byte page strides)
+        self.state_bytes = -(-(self.k_bytes + self.v_bytes) // STATE_ALIGN) * STATE_ALIGN
+        self.pad_bytes = self.state_bytes - self.k_bytes - self.v_bytes
+        self.sink_tokens, self.sink_dtype = sink_tokens, sink_dtype
+        #: K and V head vectors are rotated before encoding (codec space = rotated space)
+        self.rotation = rotation
+        self._elt = torch.empty(0, dtype=sink_dtype).element_size()
+        #: bytes of the sink area per head: K rows [s, D] then V rows [s, D]
+        self.sink_bytes = 2 * sink_tokens * self.D * self._elt
+        #: bytes of one block of one KV head
+        self.head_bytes = self.sink_bytes + self.groups_per_block * self.state_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one layer (all heads: sink area and groups)."""
+        return self.H * self.head_bytes
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Per layer, K and V together, sink area included."""
+        return self.page_bytes / self.block_size
+
+    @property
+    def bits_per_element(self) -> float:
+        """Every byte of a page over the K and V elements of its tokens."""
+        return self.page_bytes * 8 / (self.block_size * self.H * self.D * 2)
+
+    def page_shape(self, num_blocks: int) -> tuple[int, int, int]:
+        return (num_blocks, self.H, self.head_bytes)
+
+    # -- codec ----------------------------------------------------------------
+    def encode(self, k: torch.Tensor, v: torch.Tensor, relevance: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """K, V [G, T, H, D] (+ relevance [G, T, H]) -> uint8 states [G, H, C] (rotated
+        first when the layout has a rotation)."""
+        if self.rotation is not None:
+            k, v = self.rotation.rotate(k), self.rotation.rotate(v)
+        kb, vb = self.key_codec.encode(k, relevance), self.value_codec.encode(v, relevance)
+        parts = [kb, vb]
+        if self.pad_bytes:
+            parts.append(kb.new_zeros(*kb.shape[:-1], self.pad_bytes))
+        return torch.cat(parts, dim=-1)
+
+    def decode_codes(self, states: torch.Tensor, dtype: torch.dtype = torch.float32
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 states [G, H, C] -> K, V [G, T, H, D] as the codecs stored them (rotated
+        when the layout rotates): what packed attention reads, with a rotated query."""
+        kb, vb, _ = states.split([self.k_bytes, self.v_bytes, self.pad_bytes], dim=-1)
+        return (self.key_codec.decode(kb.contiguous(), dtype),
+                self.value_codec.decode(vb.contiguous(), dtype))
+
+    def decode(self, states: torch.Tensor, dtype: torch.dtype = torch.float32
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 states [G, H, C] -> K, V [G, T, H, D] in the model's space."""
+        k, v = self.decode_codes(states, dtype)
+        if self.rotation is not None:
+            k, v = self.rotation.unrotate(k), self.rotation.unrotate(v)
+        return k, v
+
+    # -- page addressing --------------------------------------------------------
+    def _flat(self, pages: torch.Tensor) -> torch.Tensor:
+        """Any vLLM view of a layer's cache -> ``[B, H, P]`` sharing its memory."""
+        flat = pages.view(pages.shape[0], self.H, -1)  # raises rather than copy
+        require(flat.shape[-1] == self.head_bytes, "page bytes per head",
+                f"{self.head_bytes} (the layout's)", flat.shape[-1])
+        return flat
+
+    def _groups(self, pages: torch.Tensor) -> torch.Tensor:
+        """``[B, H, N, C]`` view of the group states."""
+        flat = self._flat(pages)
+        return flat[:, :, self.sink_bytes:].view(flat.shape[0], self.H, self.groups_per_block,
+                                                  self.state_bytes)
+
+    def _sinks(self, pages: torch.Tensor) -> torch.Tensor:
+        """``[B, 2, s, H, D * elt]`` byte view of the sink areas (K then V)."""
+        flat = self._flat(pages)
+        return (flat[:, :, :self.sink_bytes]
+                .view(flat.shape[0], self.H, 2, self.sink_tokens, self.D * self._elt)
+                .permute(0, 2, 3, 1, 4))
+
+    def read_states(self, pages: torch.Tensor, gids: torch.Tensor) -> torch.Tensor:
+        """pages, gids [G] -> states [G, H, C]."""
+        N = self.groups_per_block
+        return self._groups(pages)[gids // N, :, gids % N]
+
+    def write_states(self, pages: torch.Tensor, gids: torch.Tensor, states: torch.Tensor) -> None:
+        N = self.groups_per_block
+        self._groups(pages)[gids // N, :, gids % N] = states
+
+    def write_sinks(self, pages: torch.Tensor, blocks: torch.Tensor, pos: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor) -> None:
+        """Tokens at positions ``pos`` (< sink_tokens) of sequences whose first block is
+        ``blocks``: K, V [n, H, D] -> the sink areas, in the model dtype."""
+        sv = self._sinks(pages)
+        to_bytes = lambda x: x.to(self.sink_dtype).contiguous().view(torch.uint8)  # noqa: E731
+        sv[blocks, 0, pos] = to_bytes(k)
+        sv[blocks, 1, pos] = to_bytes(v)
+
+    def read_sinks(self, pages: torch.Tensor, block: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` sink tokens of the sequence whose first block is ``block``:
+        K, V [n, H, D] float32."""
+        k, v = self.read_sinks_batch(pages, torch.tensor([block]), n)
+        return k[0], v[0]
+
+    def read_sinks_batch(self, pages: torch.Tensor, blocks: torch.Tensor, n: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` sink tokens of each sequence whose first block is in ``blocks``:
+        K, V [B, n, H, D] float32."""
+        kv = self._sinks(pages)[blocks, :, :n].contiguous().view(self.sink_dtype)
+        return kv[:, 0].float(), kv[:, 1].float()
+
+
+def mask_sink_rows(group: torch.Tensor, sinks: int, dim: int = 0) -> torch.Tensor:
+    """Set the first ``sinks`` rows (along ``dim``) of a sequence's group 0 to the mean of
+    its other rows, in place, and return it: the sinks are read exactly from elsewhere, so
+    they must not stretch the group's statistics. A group of sinks only is left as is."""
+    T = group.shape[dim]
+    if 0 < sinks < T:
+        rows = group.narrow(dim, 0, sinks)
+        rows.copy_(group.narrow(dim, sinks, T - sinks).mean(dim, keepdim=True).expand_as(rows))
+    return group

@@ -1,0 +1,412 @@
+"""Write and read planning: from vLLM's slot mapping to the groups each step completes, the
+staging slots of partial groups and residual windows, and what every request reads."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..codecs.base import require
+
+logger = logging.getLogger("vllm.lowbit_kv.paged")
+
+
+@dataclass
+class WritePlan:
+    """Where this step's fresh K/V tokens go (identical for every layer).
+
+    Tokens are indices into this step's ``key``/``value`` rows.
+    """
+
+    # tokens of groups still incomplete after this step -> staging[slot, off]
+    stage_tok: torch.Tensor
+    stage_slot: torch.Tensor
+    stage_off: torch.Tensor
+    # groups completed in this step: encoded into their pages
+    enc_gids: torch.Tensor  # [E]
+    enc_src_slot: torch.Tensor  # [E] slot holding the group's earlier tokens, -1: none
+    enc_tok: torch.Tensor  # fresh tokens of completed groups ...
+    enc_row: torch.Tensor  # ... their row in [E] ...
+    enc_off: torch.Tensor  # ... and their offset in the group
+    enc_req: torch.Tensor  # [E] request (row of the step) owning the group, -1: unknown
+    enc_start: torch.Tensor  # [E] position of the group's first token, -1: unknown
+    enc_sink: torch.Tensor  # [E] leading rows that are sink tokens (group 0), else 0
+    # fresh sink tokens -> sink area of their sequence's first block
+    sink_tok: torch.Tensor
+    sink_block: torch.Tensor
+    sink_pos: torch.Tensor
+
+    @property
+    def empty(self) -> bool:
+        return self.stage_tok.numel() == 0 and self.enc_gids.numel() == 0
+
+
+@dataclass
+class ReadPlan:
+    """What each request attends to besides its fresh tokens: its context as stored
+    before this step's writes."""
+
+    page_gids: torch.Tensor  # [G] encoded groups of all requests, request-major
+    page_start: list[int]  # [R+1] request r's groups are page_gids[page_start[r]:page_start[r+1]]
+    tail_slot: list[int]  # [R] staging slot holding the partial group in the context, -1: none
+    window_slots: list[list[int]]  # [R] slots of the residual window's groups, token order
+    ctx_len: list[int]  # [R] tokens before this step's fresh tokens
+    q_start: list[int]  # [R+1] fresh tokens of request r: rows q_start[r]:q_start[r+1]
+    first_block: list[int]  # [R] the request's first block (sink area), -1: none
+    # the packed context as the packed-attention contract takes it (vllm_lowbit_kv.ops)
+    group_table: torch.Tensor  # int64 [R, G_max]: request r's groups, token order
+    num_groups: torch.Tensor  # int64 [R]
+    skip_tokens: torch.Tensor  # int64 [R]: sink positions read from the sink area instead
+    q_start_t: torch.Tensor  # int64 [R+1]: q_start as a tensor
+    exact: list["ExactBatch"]  # the exact parts, requests batched by query length
+
+
+@dataclass
+class ExactBatch:
+    """Requests whose fresh rows attend together to their exact keys: their sinks (sink
+    area), the staged run of their context (residual window, then partial group) and
+    their fresh tokens (causal). Planned once per step, used by every layer."""
+
+    rows: torch.Tensor  # int64 [B, Q]: the fresh rows of each request
+    sink_blocks: torch.Tensor  # int64 [B]: first block (sink area) of each request
+    sinks: int  # sink positions read per request (the batch's largest skip_tokens)
+    tail_slots: torch.Tensor  # int64 [B, S]: staging slots of the staged run, token order
+    tail: int  # staged tokens read per request (the batch's largest)
+    bias: torch.Tensor  # float32 [B, 1, Q, sinks + tail + Q]: 0 = attend, -inf = not
+
+
+EMPTY_INDEX = torch.empty(0, dtype=torch.long)
+
+
+def _empty_write_plan() -> WritePlan:
+    return WritePlan(*([EMPTY_INDEX] * 14))
+
+
+def make_read_plan(table: torch.Tensor, num_groups: torch.Tensor, tail_slot: list[int],
+                   ctx_len: list[int], query_start: list[int], first_block: list[int], T: int,
+                   sink_tokens: int, window_slots: list[list[int]] | None = None) -> ReadPlan:
+    """A :class:`ReadPlan` from each request's packed groups (``table`` int64 [R, G_max] in
+    token order, valid up to ``num_groups[r]``), the slots of its residual window's groups
+    (read instead of the pages: they follow the packed groups), tail and context length;
+    adds the flat group list and the batched exact parts."""
+    window_slots = window_slots or [[] for _ in ctx_len]
+    valid = torch.arange(table.shape[1]) < num_groups.unsqueeze(1)
+    page_start = [0] + torch.cumsum(num_groups, 0).tolist()
+    skip = torch.clamp(num_groups * T, max=sink_tokens)
+    staged = [w + ([t] if c % T else []) for w, t, c in zip(window_slots, tail_slot, ctx_len)]
+    exact = plan_exact(query_start, ctx_len, skip.tolist(), staged, first_block, T)
+    return ReadPlan(table[valid], page_start, list(tail_slot), window_slots, list(ctx_len),
+                    list(query_start), list(first_block), table * valid, num_groups, skip,
+                    torch.tensor(query_start, dtype=torch.long), exact)
+
+
+def plan_exact(q_start: list[int], ctx_len: list[int], skip: list[int], staged: list[list[int]],
+               first_block: list[int], T: int) -> list[ExactBatch]:
+    """The exact parts of one step: all single-row (decode) requests in one batch, every
+    multi-row request (a prefill chunk) in its own. ``staged[r]``: the slots of request
+    r's staged run (window groups, then the partial group), the last ``len * T - (T -
+    ctx % T) % T`` tokens of its context."""
+    q_len = [q_start[r + 1] - q_start[r] for r in range(len(ctx_len))]
+    batches = [[r for r, q in enumerate(q_len) if q == 1]]
+    batches += [[r] for r, q in enumerate(q_len) if q > 1]
+    out = []
+    for reqs in batches:
+        if not reqs:
+            continue
+        Q = q_len[reqs[0]]
+        rows = torch.tensor([q_start[r] for r in reqs]).unsqueeze(1) + torch.arange(Q)
+        sinks = torch.tensor([skip[r] for r in reqs])
+        tails = torch.tensor([staged_tokens(staged[r], ctx_len[r], T) for r in reqs])
+        S, P = int(sinks.max()), int(tails.max())
+        slots = torch.zeros(len(reqs), max(max(len(staged[r]) for r in reqs), 1), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            slots[i, :len(staged[r])] = torch.tensor(staged[r], dtype=torch.long)
+        attend = torch.cat([
+            (torch.arange(S) < sinks.unsqueeze(1)).unsqueeze(1).expand(-1, Q, -1),
+            (torch.arange(P) < tails.unsqueeze(1)).unsqueeze(1).expand(-1, Q, -1),
+            torch.ones(Q, Q, dtype=torch.bool).tril().expand(len(reqs), -1, -1)], dim=-1)
+        bias = torch.zeros(attend.shape).masked_fill_(~attend, float("-inf")).unsqueeze(1)
+        out.append(ExactBatch(
+            rows, torch.tensor([max(first_block[r], 0) for r in reqs]), S, slots, P, bias))
+    return out
+
+
+def staged_tokens(slots: list[int], ctx_len: int, T: int) -> int:
+    """Tokens of a staged run of ``slots`` ending at the context's end: whole window
+    groups, the last one partial when the context ends inside a group."""
+    return len(slots) * T - (T - ctx_len % T) % T if slots else 0
+
+
+class StagingAllocator:
+    """Maps staged groups (gid) to staging slots; bookkeeping only, on the CPU.
+
+    A slot holds one group of one sequence in the model dtype: its partial last
+    group, and (with ``window_groups = W > 0``) its last W complete groups, the
+    residual window, which that sequence reads instead of their pages. The pages are
+    written as groups fill, whatever the window: a cached block is always valid
+    packed bytes, so another sequence sharing it through the prefix cache reads the
+    pages. A slot records its *owner* (the sequence that wrote it, a key the engine
+    gives per request row) and the group's index in that sequence; only the owner
+    reads a window slot.
+
+    A slot is taken when a group's first token is written; a complete group keeps
+    it while it is among its sequence's last W complete groups, and returns it in
+    the step that moves it out (or at once with W = 0); the engine returns the
+    slots of finished, aborted and preempted requests (:meth:`release_blocks`). So
+    ``W + 1`` slots per running sequence always suffice: a step returns the slots
+    it moves out of windows before it hands out new ones. A group restarted at
+    offset 0 whose gid still holds a slot (its block's previous owner ended
+    unreported) reuses that slot: the new owner writes from offset 0 and reads only
+    what it wrote (counted in ``stale_reused``). A group continuing without staged
+    tokens, or a full pool, raises.
+    """
+
+    def __init__(self, num_slots: int, group_tokens: int, sink_tokens: int = 0,
+                 window_groups: int = 0):
+        require(isinstance(num_slots, int) and num_slots >= 1, "num_slots", "an int >= 1", num_slots)
+        require(isinstance(window_groups, int) and window_groups >= 0, "window_groups",
+                "an int >= 0", window_groups)
+        self.num_slots, self.T, self.sink_tokens = num_slots, group_tokens, sink_tokens
+        self.window_groups = window_groups
+        self.slot_of: dict[int, int] = {}
+        self.gid_of = [-1] * num_slots
+        self.owner_of: list = [None] * num_slots
+        self.index_of = [-1] * num_slots  # the group's index in its owner's sequence
+        self.owned: dict = {}  # owner -> its slots
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.stale_reused = 0
+
+    @property
+    def in_use(self) -> int:
+        return self.num_slots - len(self.free)
+
+    def _assign(self, slot: int, gid: int, owner, index: int) -> None:
+        self._disown(slot)
+        self.slot_of[gid] = slot
+        self.gid_of[slot] = gid
+        self.owner_of[slot], self.index_of[slot] = owner, index
+        self.owned.setdefault(owner, set()).add(slot)
+
+    def _disown(self, slot: int) -> None:
+        mine = self.owned.get(self.owner_of[slot])
+        if mine is not None:
+            mine.discard(slot)
+            if not mine:
+                del self.owned[self.owner_of[slot]]
+        self.owner_of[slot], self.index_of[slot] = None, -1
+
+    def _take(self, gid: int, owner, index: int) -> int:
+        if not self.free:
+            raise RuntimeError(
+                f"lowbit-kv: staging pool exhausted ({self.num_slots} slots, "
+                f"{self.window_groups + 1} per running request): groups "
+                f"{sorted(self.slot_of)[:8]}... hold them. More staged groups than that means "
+                "ended requests were not released; refusing to overwrite staged tokens")
+        slot = self.free.pop()
+        self._assign(slot, gid, owner, index)
+        return slot
+
+    def _release(self, gid: int) -> None:
+        slot = self.slot_of.pop(gid, None)
+        if slot is not None:
+            self.gid_of[slot] = -1
+            self._disown(slot)
+            self.free.append(slot)
+
+    def release_blocks(self, block_ids, groups_per_block: int) -> int:
+        """Free the slots of every staged group in these blocks (their request ended).
+
+        Call before the step is planned; safe for blocks already handed to a new
+        owner, whose writes only start in that step, at offset 0.
+        """
+        freed = 0
+        for b in block_ids:
+            for g in range(b * groups_per_block, (b + 1) * groups_per_block):
+                if g in self.slot_of:
+                    self._release(g)
+                    freed += 1
+        return freed
+
+    def release_window(self, owner) -> int:
+        """Free ``owner``'s complete groups (its window; e.g. its pages were rewritten by
+        eviction). Its partial group keeps its slot."""
+        done = [self.gid_of[s] for s in self.owned.get(owner, ()) if self.index_of[s] >= 0]
+        for gid in done:
+            self._release(gid)
+        return len(done)
+
+    # -- one step ---------------------------------------------------------------
+    def plan_step(self, slot_mapping: torch.Tensor, seq_lens: list[int], query_start: list[int],
+                  block_table: torch.Tensor, groups_per_block: int, owners: list | None = None
+                  ) -> tuple[WritePlan, ReadPlan]:
+        """Plan one step: the context each request reads (as stored before the step),
+        then where the fresh tokens go. ``slot_mapping`` [tokens] (-1 = padding),
+        ``seq_lens`` [R], ``query_start`` [R+1], ``block_table`` [R, max_blocks];
+        ``owners`` [R]: a key per request row that stays the request's for its life
+        (vLLM's request id; default its first block, which prefix caching may share)."""
+        R = len(seq_lens)
+        bt = block_table.to("cpu", torch.long)[:R]
+        if owners is None:
+            owners = [("block", int(b)) for b in bt[:, 0].tolist()] if R else []
+        read = self.plan_reads(seq_lens, query_start, block_table, groups_per_block, owners)
+        n = query_start[-1]
+        q_len = torch.tensor(query_start[1:]) - torch.tensor(query_start[:-1])
+        req = torch.repeat_interleave(torch.arange(R), q_len)
+        ctx = torch.tensor(read.ctx_len, dtype=torch.long)
+        positions = ctx[req] + torch.arange(n) - torch.tensor(query_start[:-1])[req]
+        write = self.plan_writes(slot_mapping[:n], positions=positions, req=req,
+                                 first_block=torch.tensor(read.first_block, dtype=torch.long),
+                                 owners=owners, seq_lens=seq_lens)
+        return write, read
+
+    def plan_reads(self, seq_lens: list[int], query_start: list[int], block_table: torch.Tensor,
+                   groups_per_block: int, owners: list | None = None) -> ReadPlan:
+        """The context of every request as stored *before* this step's writes: its
+        complete groups from the pages, except its residual window (the last
+        ``window_groups`` complete groups it staged itself, read from their slots), and
+        its partial group from its staging slot. Call before :meth:`plan_writes` of the
+        same step."""
+        T, N, W = self.T, groups_per_block, self.window_groups
+        R = len(seq_lens)
+        bt = block_table.to("cpu", torch.long)[:R]
+        ctx_lens = [L - (query_start[r + 1] - query_start[r]) for r, L in enumerate(seq_lens)]
+        n_enc = [c // T for c in ctx_lens]
+        first = torch.where(torch.tensor(seq_lens) > 0, bt[:, 0], -1).tolist() if R else []
+        # every request's complete groups in token order: [R, G_max], zero-padded
+        col = torch.arange(max(n_enc, default=0) + 1)
+        table = bt[:, (col // N).clamp(max=max(bt.shape[1] - 1, 0))] * N + col % N \
+            if bt.shape[1] else torch.zeros(R, col.numel(), dtype=torch.long)
+        tail, window = [], []
+        for r, ctx in enumerate(ctx_lens):
+            slot = -1
+            if ctx % T:
+                gid = int(table[r, n_enc[r]])
+                slot = self.slot_of.get(gid, -1)
+                if slot < 0:
+                    raise RuntimeError(
+                        f"lowbit-kv: request row {r} has {ctx % T} context tokens in group {gid} "
+                        "but no staging slot holds them (released or never written); refusing "
+                        "to attend to missing tokens")
+            tail.append(slot)
+            mine = []  # the longest run of its own staged groups ending at its last complete one
+            for j in range(n_enc[r] - 1, max(n_enc[r] - W, 0) - 1, -1):
+                s = self.slot_of.get(int(table[r, j]), -1)
+                if s < 0 or self.owner_of[s] != owners[r] or self.index_of[s] != j:
+                    break
+                mine.insert(0, s)
+            window.append(mine)
+        num_groups = torch.tensor([g - len(w) for g, w in zip(n_enc, window)], dtype=torch.long)
+        return make_read_plan(table[:, :-1], num_groups, tail, ctx_lens, query_start, first, T,
+                              self.sink_tokens, window)
+
+    def plan_writes(self, slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
+                    req: torch.Tensor | None = None, first_block: torch.Tensor | None = None,
+                    owners: list | None = None, seq_lens: list[int] | None = None) -> WritePlan:
+        """Plan one step's writes from vLLM's per-token slot mapping (CPU, -1 = padding).
+
+        ``positions``/``req`` (per token: position in its sequence, request row) and
+        ``first_block`` (per request) are needed for sinks and relevance; with them,
+        ``owners`` and ``seq_lens`` (per request) for the residual window.
+        """
+        T, W = self.T, self.window_groups
+        windowed = W > 0 and positions is not None and req is not None
+        require(W == 0 or windowed, "plan_writes arguments",
+                "positions, req, owners and seq_lens with a residual window", None)
+        sm = slot_mapping.to("cpu", torch.long)
+        tok = torch.nonzero(sm >= 0).flatten()
+        if tok.numel() == 0:
+            return _empty_write_plan()
+        slots = sm[tok]
+        gid, off = slots // T, slots % T
+        ugid, inv = torch.unique(gid, return_inverse=True)
+        n = ugid.numel()
+        min_off = torch.full((n,), T, dtype=torch.long).scatter_reduce(0, inv, off, "amin")
+        max_off = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, inv, off, "amax")
+        complete = (max_off == T - 1).tolist()
+        ug, mins = ugid.tolist(), min_off.tolist()
+        owner, index = [None] * n, [-1] * n
+        keep = [not c for c in complete]  # groups holding a slot after this step
+        if windowed:
+            pos = positions.to("cpu", torch.long)[tok]
+            rrow = req.to("cpu", torch.long)[tok]
+            g_index = torch.zeros(n, dtype=torch.long).scatter_(0, inv, pos // T).tolist()
+            g_req = torch.zeros(n, dtype=torch.long).scatter_(0, inv, rrow).tolist()
+            keep_from = [L // T - W for L in seq_lens]  # first group index still in the window
+            for i in range(n):
+                owner[i], index[i] = owners[g_req[i]], g_index[i]
+                keep[i] = keep[i] or index[i] >= keep_from[g_req[i]]
+            # groups this step moves out of their owners' windows (read by this step, so the
+            # slots are reused only by writes that follow the reads in every layer)
+            touched = set(ug)
+            for r in sorted(set(g_req)):
+                for s in list(self.owned.get(owners[r], ())):
+                    if 0 <= self.index_of[s] < keep_from[r] and self.gid_of[s] not in touched:
+                        self._release(self.gid_of[s])
+
+        slot_for = [-1] * n  # staging slot of the groups kept staged
+        src_for = [-1] * n  # earlier tokens of completed groups
+        for i in range(n):
+            if mins[i] > 0:  # continues a group: its earlier tokens must be staged
+                s = self.slot_of.get(ug[i], -1)
+                if s < 0:
+                    raise RuntimeError(
+                        f"lowbit-kv: group {ug[i]} continues at offset {mins[i]} but no staging "
+                        "slot holds its earlier tokens (released or never written); refusing to "
+                        "encode or attend to missing tokens")
+                if complete[i]:
+                    src_for[i] = s
+                if keep[i]:
+                    slot_for[i] = s
+                    self._assign(s, ug[i], owner[i], index[i] if complete[i] else -1)
+        # Completed groups leaving staging return their slots first (each layer encodes
+        # them from the slots before staging anything), so W + 1 slots per request suffice.
+        for i in range(n):
+            if not keep[i]:
+                self._release(ug[i])
+        for i in range(n):
+            if not keep[i] or slot_for[i] >= 0:
+                continue
+            s = self.slot_of.get(ug[i], -1)  # mins == 0 here
+            idx = index[i] if complete[i] else -1
+            if s >= 0:
+                self.stale_reused += 1
+                logger.warning("lowbit-kv: group %d restarts at offset 0 while holding slot %d "
+                               "(its previous owner ended unreported); reusing the slot", ug[i], s)
+                self._assign(s, ug[i], owner[i], idx)
+            else:
+                s = self._take(ug[i], owner[i], idx)
+            slot_for[i] = s
+
+        comp = torch.tensor(complete, dtype=torch.bool)
+        staged = torch.tensor(keep, dtype=torch.bool)[inv]
+        tok_comp = comp[inv]
+        slot_t = torch.tensor(slot_for, dtype=torch.long)
+        row_of = torch.cumsum(comp.long(), 0) - 1  # rows of completed groups, in ugid order
+        E = int(comp.sum())
+        enc_req = torch.full((E,), -1, dtype=torch.long)
+        enc_start = torch.full((E,), -1, dtype=torch.long)
+        enc_sink = torch.zeros(E, dtype=torch.long)
+        sink_tok = sink_block = sink_pos = EMPTY_INDEX
+        if positions is not None:
+            pos = positions.to("cpu", torch.long)[tok]
+            rows = row_of[inv[tok_comp]]
+            if E:
+                enc_start[rows] = pos[tok_comp] - off[tok_comp]
+                if req is not None:
+                    enc_req[rows] = req.to("cpu", torch.long)[tok][tok_comp]
+                enc_sink = (self.sink_tokens - enc_start).clamp(min=0, max=T) * (enc_start >= 0)
+            if self.sink_tokens and first_block is not None and req is not None:
+                is_sink = pos < self.sink_tokens
+                if bool(is_sink.any()):
+                    sink_tok = tok[is_sink]
+                    sink_pos = pos[is_sink]
+                    sink_block = first_block[req.to("cpu", torch.long)[sink_tok]]
+        return WritePlan(
+            stage_tok=tok[staged], stage_slot=slot_t[inv[staged]], stage_off=off[staged],
+            enc_gids=ugid[comp], enc_src_slot=torch.tensor(src_for, dtype=torch.long)[comp],
+            enc_tok=tok[tok_comp], enc_row=row_of[inv[tok_comp]], enc_off=off[tok_comp],
+            enc_req=enc_req, enc_start=enc_start, enc_sink=enc_sink,
+            sink_tok=sink_tok, sink_block=sink_block, sink_pos=sink_pos,
+        )

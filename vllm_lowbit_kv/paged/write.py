@@ -1,0 +1,92 @@
+"""Staging buffers and the writes of a step: encode completed groups into their pages,
+copy sink tokens into the sink area, stage the tokens of incomplete groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import SINK_RELEVANCE, PagedLayout, mask_sink_rows
+from .plan import WritePlan
+
+
+@dataclass
+class Staging:
+    """One layer's staging buffers: K, V [S, T, H, D] and, for STP, queries [S, T, Hq, D]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    q: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(cls, num_slots: int, T: int, H: int, D: int, dtype: torch.dtype,
+                 num_q_heads: int | None = None, device=None) -> "Staging":
+        k = torch.zeros(num_slots, T, H, D, dtype=dtype, device=device)
+        q = None
+        if num_q_heads:
+            q = torch.zeros(num_slots, T, num_q_heads, D, dtype=dtype, device=device)
+        return cls(k, torch.zeros_like(k), q)
+
+
+
+def apply_writes(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value: torch.Tensor,
+                 pages: torch.Tensor, staging: Staging, relevance: torch.Tensor | None = None,
+                 query: torch.Tensor | None = None) -> None:
+    """Write one layer's fresh K/V [tokens, H, D]: encode completed groups and copy sink
+    tokens into their sink areas (:func:`encode_groups`), then stage the rest
+    (:func:`stage_tokens`). ``relevance`` [E, T, H] for the completed groups (STP);
+    ``query`` [tokens, Hq, D] is staged too when ``staging.q`` exists."""
+    encode_groups(plan, layout, key, value, pages, staging, relevance)
+    stage_tokens(plan, key, value, staging, query)
+
+
+def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value: torch.Tensor,
+                  pages: torch.Tensor, staging: Staging, relevance: torch.Tensor | None = None,
+                  rows: torch.Tensor | None = None) -> None:
+    """Encode the completed groups ``rows`` (indices into ``plan.enc_gids``, default all;
+    ``relevance`` [E, T, H] is indexed the same way) into their pages, and, with all
+    rows, write the step's sink tokens into their sink areas.
+
+    Runs before :func:`stage_tokens` of the same step: completed groups read their
+    earlier tokens from staging slots that this very step may hand to a new group.
+    """
+    E = plan.enc_gids.numel()
+    if rows is None and plan.sink_tok.numel():
+        layout.write_sinks(pages, plan.sink_block, plan.sink_pos, key[plan.sink_tok],
+                           value[plan.sink_tok])
+    if E == 0 or (rows is not None and rows.numel() == 0):
+        return
+    T, H, D = layout.T, layout.H, layout.D
+    tk = torch.zeros(E, T, H, D, dtype=torch.float32)
+    tv = torch.zeros_like(tk)
+    has = plan.enc_src_slot >= 0
+    if bool(has.any()):
+        src_rows, src = torch.nonzero(has).flatten(), plan.enc_src_slot[has]
+        tk[src_rows] = staging.k[src].float()
+        tv[src_rows] = staging.v[src].float()
+    tk[plan.enc_row, plan.enc_off] = key[plan.enc_tok].float()
+    tv[plan.enc_row, plan.enc_off] = value[plan.enc_tok].float()
+    if plan.enc_sink.numel() and bool((plan.enc_sink > 0).any()):
+        relevance = None if relevance is None else relevance.clone()
+        for e in torch.nonzero(plan.enc_sink > 0).flatten().tolist():
+            s = int(plan.enc_sink[e])
+            mask_sink_rows(tk[e], s)
+            mask_sink_rows(tv[e], s)
+            if relevance is not None:
+                relevance[e, :s] = SINK_RELEVANCE
+    if rows is not None:
+        tk, tv = tk[rows], tv[rows]
+        relevance = None if relevance is None else relevance[rows]
+    gids = plan.enc_gids if rows is None else plan.enc_gids[rows]
+    layout.write_states(pages, gids, layout.encode(tk, tv, relevance))
+
+
+def stage_tokens(plan: WritePlan, key: torch.Tensor, value: torch.Tensor, staging: Staging,
+                 query: torch.Tensor | None = None) -> None:
+    """Copy the fresh tokens of groups still incomplete into their staging slots."""
+    if plan.stage_tok.numel():
+        staging.k[plan.stage_slot, plan.stage_off] = key[plan.stage_tok].to(staging.k.dtype)
+        staging.v[plan.stage_slot, plan.stage_off] = value[plan.stage_tok].to(staging.v.dtype)
+        if staging.q is not None and query is not None:
+            staging.q[plan.stage_slot, plan.stage_off] = query[plan.stage_tok].to(staging.q.dtype)
