@@ -44,7 +44,7 @@ def prompts(model_dir: str, batch: int, n: int) -> list[list[int]]:
     """``batch`` distinct token-id prompts of ``n`` tokens from the evaluation corpus."""
     from transformers import AutoTokenizer
 
-    from bench.corpus import default_text
+    from vllm_lowbit_kv.corpus import default_text
 
     ids = AutoTokenizer.from_pretrained(model_dir)(default_text()).input_ids
     if len(ids) < batch * n:

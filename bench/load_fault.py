@@ -256,7 +256,7 @@ def run_load(port: int, *, clients: int, duration: float, max_requests: int = 10
              text: str | None = None) -> dict[str, Any]:
     """Drive the server on 127.0.0.1:``port``; return the summary (``passed`` says it all)."""
     if text is None:
-        from bench.corpus import default_text
+        from vllm_lowbit_kv.corpus import default_text
         text = default_text()
     models = json.loads(_get(port, "/v1/models")[1])["data"][0]
     model, max_model_len = models["id"], int(models.get("max_model_len") or 2048)

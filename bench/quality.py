@@ -685,7 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--scheme-params key may also be a variant label)")
     p.add_argument("--model", default=None, help="HF model folder (default: prepare_model())")
     p.add_argument("--engine", default="hf", choices=sorted(ENGINES))
-    p.add_argument("--text-file", default=None, help="evaluation text (default: bench.corpus.default_text())")
+    p.add_argument("--text-file", default=None, help="evaluation text (default: vllm_lowbit_kv.corpus.default_text())")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--png", default=None,
                    help=f"plot PPL / bf16 PPL vs effective bits at {BITS_AT_TOKENS} tokens, with the "
@@ -820,8 +820,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         from vllm_lowbit_kv.model import prepare_model
         args.model = str(prepare_model())
     if args.text_file is None:
-        from bench.corpus import default_text
-        text, text_src = default_text(), "bench.corpus.default_text()"
+        from vllm_lowbit_kv.corpus import default_text
+        text, text_src = default_text(), "vllm_lowbit_kv.corpus.default_text()"
     else:
         text, text_src = Path(args.text_file).read_text(encoding="utf-8"), str(args.text_file)
 

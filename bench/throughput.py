@@ -91,7 +91,7 @@ def make_workload(model_dir: str, n: int, lo: int, hi: int, seed: int) -> list[l
     """``n`` token-id prompts, lengths uniform in [lo, hi], from random corpus offsets."""
     from transformers import AutoTokenizer
 
-    from bench.corpus import default_text
+    from vllm_lowbit_kv.corpus import default_text
 
     ids = AutoTokenizer.from_pretrained(model_dir)(default_text())["input_ids"]
     if len(ids) < hi + 1:

@@ -19,4 +19,4 @@ if [ ! -f "$stamp" ]; then
 fi
 
 .venv/bin/python -m vllm_lowbit_kv.model >/dev/null
-.venv/bin/python -m bench.corpus >/dev/null
+.venv/bin/python -m vllm_lowbit_kv.corpus >/dev/null

@@ -306,7 +306,7 @@ def test_stream_state_threaded_per_layer():
 def test_real_model_kivi4_perplexity_close_to_bf16():
     """SmolLM2-135M, 1024 tokens of the default text in 256-token chunks: KIVI-4 within 2% PPL."""
     try:
-        from bench.corpus import default_text
+        from vllm_lowbit_kv.corpus import default_text
         from vllm_lowbit_kv.model import prepare_model
         path, text = prepare_model(progress=False), default_text()
     except Exception as e:  # not set up on this machine

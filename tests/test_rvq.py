@@ -311,7 +311,7 @@ def model_dir():
 def real_kv(model_dir):
     """Real K/V of the embedded model: 768 tokens of the calibration text (learning) and
     256 tokens of the yardstick text (held out)."""
-    from bench.corpus import calibration_text, default_text
+    from vllm_lowbit_kv.corpus import calibration_text, default_text
     from vllm_lowbit_kv.calibrate import capture_kv, load_model
     model, tok = load_model(model_dir)
     return (capture_kv(model, tok(calibration_text()).input_ids[:768]),
@@ -355,7 +355,7 @@ def tiny_codebook(model_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_calibrate_writes_a_reproducible_file(tiny_codebook, model_dir, tmp_path):
-    from bench.corpus import calibration_text
+    from vllm_lowbit_kv.corpus import calibration_text
     from vllm_lowbit_kv.calibrate import main
     books = RVQCodebooks.load(tiny_codebook)
     assert books.model == SMOLLM2
@@ -388,7 +388,7 @@ def test_vllm_serves_rvq_like_the_reference(tiny_codebook, model_dir):
     pytest.importorskip("vllm")
     from transformers import AutoTokenizer
 
-    from bench.corpus import default_text
+    from vllm_lowbit_kv.corpus import default_text
     from bench.quality import HFEngine
     from bench.vllm_engine import VllmServer
 

@@ -84,7 +84,7 @@ def model_dir():
 def prompt(model_dir):
     from transformers import AutoTokenizer
 
-    from bench.corpus import default_text
+    from vllm_lowbit_kv.corpus import default_text
     ids = AutoTokenizer.from_pretrained(model_dir)(default_text()).input_ids[:N]
     assert len(ids) == N
     return ids

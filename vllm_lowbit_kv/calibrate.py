@@ -11,7 +11,7 @@ What it does (the paper's recipe, scaled to a small calibration text):
    ``--chunk`` tokens at a time through a ``DynamicCache``. Per layer it keeps
    what the cache stores: K after RoPE and V, ``[tokens, kv_heads, head_dim]``.
    The default text is the project's held-out calibration text
-   (``bench.corpus.calibration_text()``, never the yardstick's evaluation text).
+   (``vllm_lowbit_kv.corpus.calibration_text()``, never the yardstick's evaluation text).
 2. Vectors. Each token-head vector is std-scaled and split into channel groups
    exactly as :class:`~vllm_lowbit_kv.codecs.rvq.RVQCodec` does (keys strided,
    values contiguous), giving ``tokens * kv_heads * head_dim / group_size``
@@ -66,6 +66,7 @@ import torch
 from .codecs.base import ModelIdentity, require
 from .codecs.rvq import (ROLES, RVQCodebooks, RVQCodec, RVQSettings, channel_groups, nearest,
                          residual_search, std_scale)
+from .corpus import calibration_text
 
 #: Laplace smoothing of the EMA cluster sizes (the authors' code)
 EMA_EPS = 1e-5
@@ -254,8 +255,7 @@ def calibrate(model_dir: str | Path, cfg: CalibrationConfig, *, text: str | None
     """Capture K/V of ``model_dir`` on the calibration text and learn its codebooks."""
     cfg.validate()
     if text is None:
-        from bench.corpus import calibration_text
-        text, text_source = calibration_text(), "bench.corpus.calibration_text()"
+        text, text_source = calibration_text(), "vllm_lowbit_kv.corpus.calibration_text()"
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
@@ -327,13 +327,12 @@ def default_output(model_dir: str | Path, cfg: CalibrationConfig, text: str) -> 
 def ensure_codebook(model_dir: str | Path, cfg: CalibrationConfig, *, progress: bool = True) -> Path:
     """The default codebook file of this model and configuration (calibration text),
     calibrated now if it does not exist yet."""
-    from bench.corpus import calibration_text
 
     text = calibration_text()
     out = default_output(model_dir, cfg, text)
     if not out.is_file():
         books = calibrate(model_dir, cfg, text=text, progress=progress,
-                          text_source="bench.corpus.calibration_text()",
+                          text_source="vllm_lowbit_kv.corpus.calibration_text()",
                           command=cfg.command(model_dir, out, None))
         books.save(out)
     return out
@@ -354,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grouping", choices=["strided", "contiguous"], default=None,
                    help="channel grouping of K and V (default: K strided, V contiguous)")
     p.add_argument("--text-file", default=None,
-                   help="calibration text (default: bench.corpus.calibration_text(), held out "
+                   help="calibration text (default: vllm_lowbit_kv.corpus.calibration_text(), held out "
                         "from the yardstick's text)")
     p.add_argument("--tokens", type=int, default=None, help="calibration tokens (default: the whole text)")
     p.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="tokens per batch")
@@ -381,8 +380,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
             from .model import prepare_model
             model_dir = str(prepare_model())
         if args.text_file is None:
-            from bench.corpus import calibration_text
-            text, source = calibration_text(), "bench.corpus.calibration_text()"
+            text, source = calibration_text(), "vllm_lowbit_kv.corpus.calibration_text()"
         else:
             text, source = Path(args.text_file).read_text(encoding="utf-8"), str(args.text_file)
         out = Path(args.out) if args.out else default_output(model_dir, cfg, text)

