@@ -1,0 +1,309 @@
+"""One layer of the transformers cache: sinks, packed blocks, residual window and tail."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from ..codecs.base import BlockCodec, require
+from ..paged import SINK_RELEVANCE, attention_mass, mask_sink_rows
+from ..rotation import HadamardRotation
+from .hooks import RelevanceFn
+
+class LowBitLayer(DynamicLayer):
+    """One layer's K/V: sinks and tail in the model dtype, full blocks packed by codecs."""
+
+    is_croppable = False
+
+    def __init__(self, layer_idx: int, key_codec: BlockCodec | None, value_codec: BlockCodec | None,
+                 block_tokens: int, sink_tokens: int = 0, relevance: str | RelevanceFn = "none",
+                 obs_window: int = 32, attend_new_exact: bool = True, evictable: bool = False,
+                 residual_tokens: int = 0, rotation: HadamardRotation | None = None):
+        super().__init__()
+        require(isinstance(residual_tokens, int) and residual_tokens >= 0
+                and (residual_tokens == 0 or residual_tokens % block_tokens == 0), "residual_tokens",
+                f"a multiple of block_tokens ({block_tokens}), >= 0", residual_tokens)
+        #: complete groups of the residual window, read exactly instead of their codes
+        self.window_groups = residual_tokens // block_tokens if residual_tokens else 0
+        self.rotation = rotation
+        self.layer_idx = layer_idx
+        self.evictable = evictable
+        self.key_codec, self.value_codec = key_codec, value_codec
+        self.skip = key_codec is None
+        self.block_tokens, self.sink_tokens = block_tokens, sink_tokens
+        self.obs_window, self.attend_new_exact = obs_window, attend_new_exact
+        needs = not self.skip and (key_codec.uses_relevance or value_codec.uses_relevance)
+        self.relevance = relevance if needs else "none"
+        self.wants_queries = self.relevance == "attention"
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self.length = 0
+        self.sink_k = self.sink_v = None
+        self.packed_k = self.packed_v = None  # uint8 [B, n_blocks, H, nbytes]
+        self.window_k = self.window_v = None  # exact copies of the last window_groups blocks
+        self.q_obs: torch.Tensor | None = None  # float32 [B, Hq, w, D]
+        self.q_first = 0
+        self.q_scale = 1.0
+        self.stream_state: dict[str, Any] = {"k": None, "v": None}  # encode_stream recorders
+        self.exact_k: list[torch.Tensor] = []  # exact K/V of every token until eviction
+        self.exact_v: list[torch.Tensor] = []
+        self.key_pos: torch.Tensor | None = None  # logical position of each stored pair, once evicted
+
+    # -- transformers layer API --------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        B, H, _, D = key_states.shape
+        if not self.skip:
+            require(D == self.key_codec.head_dim, "head_dim", f"{self.key_codec.head_dim} (the codecs')", D)
+        empty = key_states.new_zeros(B, H, 0, D)
+        self.keys, self.values = empty, value_states.new_zeros(B, H, 0, value_states.shape[-1])
+        self.sink_k, self.sink_v = empty.clone(), self.values.clone()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        super().reset()
+        self._reset_state()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("LowBitKVCache cannot crop: packed blocks are not re-openable")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if not self.is_initialized:
+            return
+        idx = beam_idx.to(self.device)
+        self.keys, self.values = self.keys.index_select(0, idx), self.values.index_select(0, idx)
+        self.sink_k, self.sink_v = self.sink_k.index_select(0, idx), self.sink_v.index_select(0, idx)
+        if self.packed_k is not None:
+            self.packed_k = self.packed_k.index_select(0, idx)
+            self.packed_v = self.packed_v.index_select(0, idx)
+        if self.window_k is not None:
+            self.window_k = self.window_k.index_select(0, idx)
+            self.window_v = self.window_v.index_select(0, idx)
+        if self.q_obs is not None:
+            self.q_obs = self.q_obs.index_select(0, idx)
+        self.exact_k = [t.index_select(0, idx) for t in self.exact_k]
+        self.exact_v = [t.index_select(0, idx) for t in self.exact_v]
+        for name, st in self.stream_state.items():
+            if st is not None:
+                vals = [t.index_select(0, idx) for t in st]
+                self.stream_state[name] = type(st)(*vals) if hasattr(st, "_fields") else tuple(vals)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        idx = torch.as_tensor(indices, device=self.device)
+        self.reorder_cache(idx.nonzero().flatten() if idx.dtype == torch.bool else idx.flatten())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            B = self.keys.shape[0]
+            self.reorder_cache(torch.arange(B, device=self.device).repeat_interleave(repeats))
+
+    def offload(self):
+        raise NotImplementedError("LowBitKVCache does not support offloading")
+
+    # -- queries for the observation window ----------------------------------------
+    def record_queries(self, q: torch.Tensor, first_pos: int, scale: float) -> None:
+        q = q.float()
+        if self.q_obs is None or self.q_obs.shape[0] != q.shape[0]:
+            self.q_obs, self.q_first = q, first_pos
+        else:
+            prev_end = self.q_first + self.q_obs.shape[2]
+            if prev_end != first_pos:  # a gap (a new chunk longer than the window): restart
+                self.q_obs, self.q_first = q, first_pos
+            else:
+                self.q_obs = torch.cat([self.q_obs, q], dim=2)
+                drop = max(self.q_obs.shape[2] - self.obs_window, 0)
+                self.q_obs, self.q_first = self.q_obs[:, :, drop:], self.q_first + drop
+        self.q_scale = scale
+
+    def _attention_mass(self, keys: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Attention mass of the observation window on tokens start:end -> [B, H, end - start]
+        (:func:`~vllm_lowbit_kv.paged.attention_mass`, the pages' definition)."""
+        if self.q_obs is None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: relevance='attention' but no queries were recorded; "
+                "create the cache with model=... (installs the query hooks) or call "
+                "install_query_hooks(model), or use relevance='keynorm'")
+        mass = torch.stack([attention_mass(q.transpose(0, 1), self.q_first, k.transpose(0, 1),
+                                           self.q_scale, self.key_pos)
+                            for q, k in zip(self.q_obs, keys)])  # [B, N, H]
+        return mass[:, start:end].transpose(1, 2)
+
+    def _relevance(self, keys: torch.Tensor, values: torch.Tensor, start: int, end: int) -> torch.Tensor | None:
+        """Relevance of tokens start:end as [B, end - start, H], or None."""
+        mode = self.relevance
+        if mode == "none":
+            return None
+        if callable(mode):
+            return mode(self.layer_idx, keys, values, start, end)
+        if mode == "keynorm":
+            return -keys[:, :, start:end].float().norm(dim=-1).transpose(1, 2)
+        return self._attention_mass(keys, start, end).transpose(1, 2)
+
+    # -- blocks <-> [B, H, S, D] ------------------------------------------------
+    def _encode(self, which: str, codec: BlockCodec, x: torch.Tensor, rel: torch.Tensor | None) -> torch.Tensor:
+        if self.rotation is not None:
+            x = self.rotation.rotate(x.float())
+        B, H, S, D = x.shape
+        n, T = S // self.block_tokens, self.block_tokens
+        blocks = x.reshape(B, H, n, T, D).permute(0, 2, 3, 1, 4)  # [B, n, T, H, D]
+        if hasattr(codec, "encode_stream") and rel is None:
+            # codecs with per-sequence state (e.g. EMA recorders) thread it block to block
+            packed, self.stream_state[which] = codec.encode_stream(blocks, self.stream_state[which])
+            return packed
+        if rel is not None:
+            rel = rel.reshape(B, n, T, H)
+        return codec.encode(blocks, rel)
+
+    def _decode(self, codec: BlockCodec, packed: torch.Tensor) -> torch.Tensor:
+        B, n, H, _ = packed.shape
+        x = codec.decode(packed, self.dtype if self.rotation is None else torch.float32)
+        if self.rotation is not None:
+            x = self.rotation.unrotate(x).to(self.dtype)
+        return x.permute(0, 3, 1, 2, 4).reshape(B, H, n * self.block_tokens, codec.head_dim)
+
+    @property
+    def n_window(self) -> int:
+        """Encoded blocks read from their exact copies (the residual window)."""
+        return 0 if self.window_k is None else self.window_k.shape[-2] // self.block_tokens
+
+    def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cached token as attention sees it: decode(blocks before the window) ++ the
+        window's blocks exact ++ tail, the sink positions exact."""
+        ks, vs = [], []
+        n_packed = self.n_blocks - self.n_window
+        if n_packed:
+            ks.append(self._decode(self.key_codec, self.packed_k[:, :n_packed]))
+            vs.append(self._decode(self.value_codec, self.packed_v[:, :n_packed]))
+        if self.n_window:
+            ks.append(self.window_k)
+            vs.append(self.window_v)
+        ks.append(self.keys)
+        vs.append(self.values)
+        k, v = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+        n = self.sink_k.shape[-2]  # sink positions are read from their exact copies
+        k[:, :, :n], v[:, :, :n] = self.sink_k, self.sink_v
+        return k, v
+
+    @property
+    def n_blocks(self) -> int:
+        return 0 if self.packed_k is None else self.packed_k.shape[1]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        S = key_states.shape[-2]
+        if self.key_pos is not None:
+            self.key_pos = torch.cat([self.key_pos, torch.arange(self.length, self.length + S)])
+        elif self.evictable and not self.skip:
+            self.exact_k.append(key_states)
+            self.exact_v.append(value_states)
+        self.length += S
+        return self._store(key_states, value_states)
+
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append pairs after the stored ones; what attention sees (stored ++ new, exact)."""
+        if self.skip:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            return self.keys, self.values
+        # 1. the first tokens are also kept exactly, as sinks
+        n_sink = min(max(self.sink_tokens - self.sink_k.shape[-2], 0), key_states.shape[-2])
+        if n_sink:
+            self.sink_k = torch.cat([self.sink_k, key_states[:, :, :n_sink]], dim=-2)
+            self.sink_v = torch.cat([self.sink_v, value_states[:, :, :n_sink]], dim=-2)
+        # 2. everything joins the tail; what attention sees now (new tokens exact)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        full_k, full_v = self.decoded()
+        # 3. encode every full block of the tail
+        n_full = self.keys.shape[-2] // self.block_tokens
+        if n_full:
+            m = n_full * self.block_tokens
+            start = self.n_blocks * self.block_tokens
+            rel = self._relevance(full_k, full_v, start, start + m)
+            keys, values = self.keys[:, :, :m], self.values[:, :, :m]
+            s = min(self.sink_tokens, self.block_tokens)
+            if start == 0 and s:  # group 0, as the pages code it: sink rows never count
+                keys, values = keys.clone(), values.clone()
+                mask_sink_rows(keys[:, :, :self.block_tokens], s, dim=-2)
+                mask_sink_rows(values[:, :, :self.block_tokens], s, dim=-2)
+                if rel is not None:
+                    rel = rel.clone()
+                    rel[:, :s] = SINK_RELEVANCE
+            pk = self._encode("k", self.key_codec, keys, rel if self.key_codec.uses_relevance else None)
+            pv = self._encode("v", self.value_codec, values,
+                              rel if self.value_codec.uses_relevance else None)
+            self.packed_k = pk if self.packed_k is None else torch.cat([self.packed_k, pk], dim=1)
+            self.packed_v = pv if self.packed_v is None else torch.cat([self.packed_v, pv], dim=1)
+            if self.window_groups:
+                keep = self.window_groups * self.block_tokens
+                self.window_k = torch.cat([x for x in (self.window_k, self.keys[:, :, :m])
+                                           if x is not None], dim=-2)[:, :, -keep:].clone()
+                self.window_v = torch.cat([x for x in (self.window_v, self.values[:, :, :m])
+                                           if x is not None], dim=-2)[:, :, -keep:].clone()
+            self.keys = self.keys[:, :, m:].clone()
+            self.values = self.values[:, :, m:].clone()
+            if not self.attend_new_exact:
+                full_k, full_v = self.decoded()
+        return full_k, full_v
+
+    # -- eviction ----------------------------------------------------------------
+    def exact(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact K/V [B, H, length, D] of every token written so far (before eviction)."""
+        require(self.key_pos is None, f"layer {self.layer_idx} state", "not evicted yet", "evicted")
+        if self.skip:
+            return self.keys, self.values
+        require(self.evictable, f"layer {self.layer_idx}", "made with evictable=True to evict", False)
+        return torch.cat(self.exact_k, dim=-2), torch.cat(self.exact_v, dim=-2)
+
+    def compact(self, kept: torch.Tensor) -> None:
+        """Keep only the pairs at sorted positions ``kept``, stored as if written in order."""
+        k, v = self.exact()
+        kept = kept.to(torch.long).cpu()
+        require(kept.numel() == 0 or (int(kept.min()) >= 0 and int(kept.max()) < self.length
+                                      and bool((kept[1:] > kept[:-1]).all())),
+                "kept positions", f"sorted, unique, in [0, {self.length})", kept.tolist()[:16])
+        k, v = k[:, :, kept.to(k.device)], v[:, :, kept.to(k.device)]
+        if self.skip:
+            self.keys, self.values = k, v
+        else:
+            length, queries = self.length, (self.q_obs, self.q_first, self.q_scale)
+            self._reset_state()
+            self.lazy_initialization(k[:, :, :0], v[:, :, :0])
+            self.length = length
+            self.q_obs, self.q_first, self.q_scale = queries
+            self.key_pos = kept  # before _store: relevance is causal by original position
+            self._store(k, v)
+            # rewritten groups are read from their codes, as the vLLM backend does after
+            # compacting (its window slots are released); later groups refill the window
+            self.window_k = self.window_v = None
+        self.key_pos = kept
+        self.exact_k, self.exact_v = [], []
+
+    # -- accounting ------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Bytes held by this layer (K and V together), and their bf16 equivalents."""
+        if not self.is_initialized:
+            return dict(tokens=0, stored_tokens=0, packed_tokens=0, packed_bytes=0, full_precision_bytes=0,
+                        total_bytes=0, bf16_bytes=0)
+        B, H = self.keys.shape[:2]
+        D = self.keys.shape[-1]
+        packed_tokens = self.n_blocks * self.block_tokens
+        packed = 0 if self.packed_k is None else self.packed_k.numel() + self.packed_v.numel()
+        fp = sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.keys, self.values,
+                                                         self.window_k, self.window_v)
+                 if t is not None)
+        stored = packed_tokens + self.keys.shape[-2]
+        return dict(tokens=self.length, stored_tokens=stored, packed_tokens=packed_tokens, packed_bytes=packed,
+                    full_precision_bytes=fp, total_bytes=packed + fp,
+                    bf16_bytes=B * H * D * 2 * 2 * self.length)
