@@ -213,7 +213,7 @@ def test_dispatch_per_layout():
     assert select_implementation(vidkv, "cpu", "torch")[1] is packed_attention_reference
     with pytest.raises(ValueError, match="attention_impl 'cpp' cannot run .*QuantileCodec"):
         select_implementation(quantile, "cpu", "cpp")
-    with pytest.raises(ValueError, match="'cuda' cannot run .*runs on cuda devices, not cpu"):
+    with pytest.raises(ValueError, match="'cuda' cannot run .*runs on CUDA devices, not cpu"):
         select_implementation(vidkv, "cpu", "cuda")
     with pytest.raises(ValueError, match=r"attention_impl must be one of \('auto'"):
         select_implementation(vidkv, "cpu", "gpu")

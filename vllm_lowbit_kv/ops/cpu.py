@@ -1,24 +1,27 @@
-"""The C++ CPU kernel (``csrc/cpu/packed_attention.cpp``): build, page formats, call.
+"""The C++ CPU kernel (``csrc/cpu/packed_attention.cpp``), implementation ``cpp``.
 
 The source is compiled on first use with ``torch.utils.cpp_extension.load``
 (ninja, gcc, ``-O3 -march=native -fopenmp``) into a build folder under the
-project cache (``~/.cache/vllm-lowbit-kv/torch_extensions/<hash>``, the hash
-covering the source, the flags, torch's version and the CPU), so later
+project cache (:func:`vllm_lowbit_kv.paths.extension_build_root`, one folder
+per hash of the source, the flags, torch's version and the CPU), so later
 processes only load the library (about a second); it registers
-``torch.ops.lowbit_kv_cpu.packed_attention``. When the build cannot run (no
-compiler, no source tree), :func:`unsupported_reason` says why and the
-dispatcher (:mod:`vllm_lowbit_kv.ops`) uses another implementation.
+``torch.ops.lowbit_kv.packed_attention`` (``TORCH_LIBRARY_FRAGMENT``). When the
+build cannot run (no compiler, no source tree), :func:`supports` says why and
+the dispatcher (:mod:`vllm_lowbit_kv.ops`) uses another implementation.
 
-Page formats the kernel reads, decided once per layout (:func:`kernel_format`):
-keys :class:`~vllm_lowbit_kv.codecs.kivi.KiviCodec` per channel (2, 4, 8 bits)
-or :class:`~vllm_lowbit_kv.codecs.vidkv.VidKVKeyCodec` (any k, FFT or not, any
+Page formats the kernel reads (:func:`format_reason`): keys
+:class:`~vllm_lowbit_kv.codecs.kivi.KiviCodec` per channel (2, 4, 8 bits) or
+:class:`~vllm_lowbit_kv.codecs.vidkv.VidKVKeyCodec` (any k, FFT or not, any
 ``one_bit``, with or without STP); values ``KiviCodec`` per token or per channel
 or :class:`~vllm_lowbit_kv.codecs.vidkv.TernaryValueCodec` (with or without
-STP). That covers ``vidkv``, ``vidkv_stp``, ``kivi2``, ``kivi4``,
-``vidkv_k2v2`` and ``vidkv_k15v2``. One known difference from the reference
-codecs: they clamp decoded VidKV/ternary elements to +-65504, the kernel
-(which never rebuilds keys) does not; it only matters for K/V magnitudes
-near the fp16 limit.
+STP); head_dim a multiple of 16; any number of query heads per KV head. That
+covers ``vidkv``, ``vidkv_paper``, ``vidkv_stp``, ``kivi2``, ``kivi4``,
+``vidkv_k2v2`` and ``vidkv_k15v2``. The kernel's arguments are derived from the
+:class:`~vllm_lowbit_kv.ops.page_format.PageFormat` (:class:`Descriptors`). One
+known difference from the reference codecs: they clamp decoded VidKV/ternary
+elements to +-65504, the kernel (which never rebuilds keys) does not; it only
+matters for K/V magnitudes near the fp16 limit. No store kernel: :data:`store`
+encodes with the codecs.
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ from pathlib import Path
 
 import torch
 
-from ..codecs.kivi import KiviCodec
-from ..codecs.vidkv import TernaryValueCodec, VidKVKeyCodec, irfft_unique
-from ..model import cache_root
-from .page_format import attention_outputs
+from ..paths import extension_build_root
+from . import reference
+from .page_format import (KEY_KIVI_CHANNEL, KEY_VIDKV, VAL_KIVI_CHANNEL, VAL_KIVI_TOKEN,
+                          VAL_TERNARY, PageFormat, PageGeometry, attention_outputs, fft_matrix,
+                          kernel_codec_reason, page_format)
 
 logger = logging.getLogger("vllm.lowbit_kv.ops")
 
@@ -49,11 +53,9 @@ SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "packed_attentio
 MARCH = os.environ.get("LOWBIT_KV_CPU_MARCH", "native")
 CFLAGS = ("-O3", f"-march={MARCH}", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-LIBRARY = "lowbit_kv_cpu"
+LIBRARY = "lowbit_kv_cpu"  # the library; its ops are torch.ops.lowbit_kv.*
 
-# codec kinds of the descriptors (csrc/cpu/packed_attention.cpp: KeyKind, ValueKind)
-KEY_KIVI_CHANNEL, KEY_VIDKV = 0, 1
-VAL_KIVI_TOKEN, VAL_KIVI_CHANNEL, VAL_TERNARY = 0, 1, 2
+name = "cpp"
 LANES = 16  # floats per vector in the kernel: head_dim must be a multiple
 
 _build_lock = threading.Lock()
@@ -75,7 +77,7 @@ def build_directory() -> Path:
     key = hashlib.sha256("\n".join([
         SOURCE.read_text() if SOURCE.exists() else "", " ".join(CFLAGS + LDFLAGS),
         torch.__version__, sys.version, _cpu_signature()]).encode()).hexdigest()[:16]
-    return cache_root() / "torch_extensions" / f"{LIBRARY}-{key}"
+    return extension_build_root() / f"{LIBRARY}-{key}"
 
 
 def _ensure_ninja_on_path() -> None:
@@ -114,106 +116,90 @@ def load_library() -> str | None:
 
 
 @dataclass(frozen=True)
-class KernelFormat:
-    """A layout as the kernel reads it: geometry and per-codec byte offsets."""
+class Descriptors:
+    """A page format as the kernel's integer arguments (csrc/cpu/packed_attention.cpp:
+    enums Geometry, KiviKey, VidKey, KiviTokVal, KiviChanVal, TernVal); value offsets
+    count from the value bytes."""
 
     geometry: list[int]
     key: list[int]
     value: list[int]
-    fft_map: torch.Tensor  # float32 [n1, n1] (rfft unique parts -> channels), or empty
+    fft_map: torch.Tensor  # float32 [n1, n1] (A transposed, A: components -> channels), or empty
 
 
-def _offsets(codec) -> dict[str, int]:
-    out, at = {}, 0
-    for name, n in codec.layout().fields:
-        out[name] = at
-        at += n
-    return out
+def _descriptors(fmt: PageFormat) -> Descriptors:
+    k = fmt.koff
+    v = lambda f: fmt.voff(f) - fmt.k_bytes if f in fmt.val_off else -1  # noqa: E731
+    if fmt.key_kind == KEY_KIVI_CHANNEL:
+        key = [KEY_KIVI_CHANNEL, fmt.key_bits, k("codes"), k("scale"), k("zero")]
+    else:
+        lo, hi = ("s1", "s1") if fmt.sign else ("lo1", "hi1")
+        key = [KEY_VIDKV, fmt.n2, fmt.n1, fmt.key_protect, int(fmt.sign), k("prot_scale"),
+               k("prot_zero"), k("tok_mask"), k("prot_codes"), k("chan_mask"), k("scale2"),
+               k("zero2"), k("codes2"), k("codes1"), k(lo), k(hi)]
+    if fmt.val_kind == VAL_KIVI_TOKEN:
+        value = [VAL_KIVI_TOKEN, fmt.val_bits, fmt.val_group, v("codes"), v("scale"), v("zero")]
+    elif fmt.val_kind == VAL_KIVI_CHANNEL:
+        value = [VAL_KIVI_CHANNEL, fmt.val_bits, v("codes"), v("scale"), v("zero")]
+    else:
+        value = [VAL_TERNARY, fmt.n_protect, v("prot_scale"), v("prot_zero"), v("tok_mask"),
+                 v("prot_codes"), v("alpha"), v("trits")]
+    fft = fft_matrix("inverse_t", fmt.n1, fmt.n1, "cpu") if fmt.fft else torch.empty(0)
+    geometry = [fmt.T, fmt.D, fmt.H, fmt.groups_per_block, fmt.sink_bytes, fmt.state_bytes,
+                fmt.k_bytes]
+    return Descriptors(geometry, key, value, fft)
 
 
-def _key_descriptor(kc) -> list[int] | str:
-    off = _offsets(kc)
-    if type(kc) is KiviCodec and kc.axis == "channel":
-        return [KEY_KIVI_CHANNEL, kc.bits, off["codes"], off["scale"], off["zero"]]
-    if type(kc) is VidKVKeyCodec:
-        sign = kc.one_bit == "sign"
-        return [KEY_VIDKV, kc.n2, kc.n1, kc.n_protect, int(sign),
-                off.get("prot_scale", -1), off.get("prot_zero", -1), off.get("tok_mask", -1),
-                off.get("prot_codes", -1), off["chan_mask"], off["scale2"], off["zero2"],
-                off["codes2"], off["codes1"], off["s1" if sign else "lo1"],
-                off["s1" if sign else "hi1"]]
-    return f"key codec {kc.describe()} (the kernel reads KIVI per-channel and VidKV keys)"
+_descriptor_cache: "weakref.WeakKeyDictionary[PageFormat, Descriptors]" = \
+    weakref.WeakKeyDictionary()
 
 
-def _value_descriptor(vc) -> list[int] | str:
-    off = _offsets(vc)
-    if type(vc) is KiviCodec and vc.axis == "token":
-        return [VAL_KIVI_TOKEN, vc.bits, vc.group_size, off["codes"], off["scale"], off["zero"]]
-    if type(vc) is KiviCodec and vc.axis == "channel":
-        return [VAL_KIVI_CHANNEL, vc.bits, off["codes"], off["scale"], off["zero"]]
-    if type(vc) is TernaryValueCodec:
-        return [VAL_TERNARY, vc.n_protect, off.get("prot_scale", -1), off.get("prot_zero", -1),
-                off.get("tok_mask", -1), off.get("prot_codes", -1), off["alpha"], off["trits"]]
-    return (f"value codec {vc.describe()} (the kernel reads KIVI per-token / per-channel and "
-            "ternary values)")
+def format_reason(fmt: PageFormat) -> str | None:
+    """None when the kernel reads pages of this format, else why not."""
+    if fmt.D % LANES:
+        return f"head_dim {fmt.D} (the kernel needs a multiple of {LANES})"
+    return kernel_codec_reason(fmt, vidkv_key_stp=True)
 
 
-_formats: "weakref.WeakKeyDictionary[object, KernelFormat | str]" = weakref.WeakKeyDictionary()
+def supports(fmt: PageFormat, device: torch.device | str, gqa: int) -> str | None:
+    """None when the kernel runs ``fmt`` on ``device`` (any GQA ratio), else why not;
+    builds the kernel on first use."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return f"the C++ kernel runs on the CPU, not {device.type}"
+    return format_reason(fmt) or load_library()
 
 
-def kernel_format(layout) -> KernelFormat | str:
-    """The layout's descriptors, or why the kernel cannot read it (cached per layout)."""
-    fmt = _formats.get(layout)
-    if fmt is None:
-        key, value = _key_descriptor(layout.key_codec), _value_descriptor(layout.value_codec)
-        if layout.D % LANES:
-            fmt = f"head_dim {layout.D} (the kernel needs a multiple of {LANES})"
-        elif isinstance(key, str) or isinstance(value, str):
-            fmt = "; ".join(x for x in (key, value) if isinstance(x, str))
-        else:
-            kc = layout.key_codec
-            fft = torch.empty(0)
-            if type(kc) is VidKVKeyCodec and kc.fft_active:
-                # A: row j = the channels rebuilt from unit component j (x = z @ A); the
-                # kernel reads A's columns, so it gets A transposed
-                eye = torch.eye(kc.n1, dtype=torch.float64)
-                fft = irfft_unique(eye, kc.n1).T.float().contiguous()
-            fmt = KernelFormat(
-                [layout.T, layout.D, layout.H, layout.groups_per_block, layout.sink_bytes,
-                 layout.state_bytes, layout.k_bytes], key, value, fft)
-        _formats[layout] = fmt
-    return fmt
-
-
-def unsupported_reason(layout, device: torch.device) -> str | None:
-    if torch.device(device).type != "cpu":
-        return f"the C++ kernel runs on the CPU, not {device}"
-    fmt = kernel_format(layout)
-    if isinstance(fmt, str):
-        return fmt
-    return load_library()
-
-
-def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Tensor, layout,
-                     group_table: torch.Tensor, num_groups: torch.Tensor,
-                     skip_tokens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                     lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Tensor,
+                     page: PageFormat | PageGeometry, group_table: torch.Tensor,
+                     num_groups: torch.Tensor, skip_tokens: torch.Tensor, scale: float, *,
+                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract of :mod:`vllm_lowbit_kv.ops`; ``out``/``lse`` may be given (float32,
     contiguous) to be overwritten."""
-    fmt = kernel_format(layout)
-    if isinstance(fmt, str):
-        raise ValueError(f"lowbit-kv C++ kernel: unsupported page format: {fmt}")
+    fmt = page_format(page)
+    reason = format_reason(fmt)
+    if reason:
+        raise ValueError(f"lowbit-kv C++ kernel: unsupported page format: {reason}")
     reason = load_library()
     if reason:
         raise RuntimeError(reason)
     out, lse, nothing = attention_outputs(query, q_start, group_table, out, lse)
     if nothing:
         return out, lse
+    desc = _descriptor_cache.get(fmt)
+    if desc is None:
+        desc = _descriptor_cache[fmt] = _descriptors(fmt)
     if query.stride(-1) != 1:
         query = query.contiguous()
     as_long = lambda t: torch.as_tensor(t).to(torch.long).contiguous()  # noqa: E731
-    torch.ops.lowbit_kv_cpu.packed_attention(
-        query, as_long(q_start), layout._flat(pages), as_long(group_table),
+    torch.ops.lowbit_kv.packed_attention(
+        query, as_long(q_start), fmt.flat_pages(pages), as_long(group_table),
         as_long(num_groups), as_long(skip_tokens), float(scale),
-        fmt.geometry, fmt.key, fmt.value, fmt.fft_map, out, lse)
+        desc.geometry, desc.key, desc.value, desc.fft_map, out, lse)
     return out, lse
+
+
+attention = packed_attention
+#: no store kernel: the codecs encode (on the CPU)
+store = reference.store

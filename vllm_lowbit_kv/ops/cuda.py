@@ -1,4 +1,4 @@
-"""The CUDA paged decode attention (``csrc/cuda/``): JIT build, page format, call.
+"""The CUDA paged decode attention (``csrc/cuda/``), implementation ``cuda``: JIT build, call.
 
 Build step (documented; nothing is compiled at import): the first call of
 :func:`load_extension` (or of :func:`packed_attention`) compiles
@@ -11,15 +11,19 @@ build of torch, nvcc and ninja. To build ahead of time::
 
     python -m vllm_lowbit_kv.ops.cuda
 
-Everything here imports without CUDA (and without vLLM):
-:func:`unsupported_reason` says why the kernel cannot run (no CUDA device, a
-page format it does not read, too many query heads per KV head, a failed
+Everything here imports without CUDA (and without vLLM): :func:`supports`
+says why the kernel cannot run (not a CUDA device, a page format it does not
+read, more than :data:`MAX_GQA` query heads per KV head, no CUDA, a failed
 build) so a dispatcher can fall back.
 
-Formats: those of :mod:`vllm_lowbit_kv.ops.page_format` (kivi2, kivi4, vidkv,
-vidkv_stp, vidkv_k2v2, vidkv_k15v2) with at most 16 query heads per KV head.
-Like the Triton kernel, it skips the reference's +-65504 clamp of decoded
-VidKV keys (only matters at the fp16 limit).
+Formats: those of :func:`~vllm_lowbit_kv.ops.page_format.gpu_format_reason`
+(kivi2, kivi4, vidkv, vidkv_paper, vidkv_stp, vidkv_k2v2, vidkv_k15v2 at
+head_dim 16-256, powers of two). The kernel takes the format as the int32
+fields of ``LowbitPageFormat`` (:func:`format_values`, from the
+:class:`~vllm_lowbit_kv.ops.page_format.PageFormat`). Like the Triton kernel,
+it skips the reference's +-65504 clamp of decoded VidKV keys (only matters at
+the fp16 limit). No store kernel: :data:`store` encodes with the codecs on
+the tensors' device.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ from pathlib import Path
 import torch
 
 from ..codecs.base import require
-from .page_format import PageFormat, attention_outputs, fft_matrix, page_format
+from . import reference
+from .page_format import (PageFormat, PageGeometry, attention_outputs, fft_matrix,
+                          gpu_format_reason, page_format)
 
+name = "cuda"
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc" / "cuda"
 SOURCES = ("bindings.cpp", "packed_attention.cu")
 EXTENSION = "lowbit_kv_cuda"
@@ -86,7 +93,7 @@ def load_extension(verbose: bool = False):
 
 def format_values(fmt: PageFormat) -> list[int]:
     """The LowbitPageFormat fields of a page format, in FORMAT_FIELDS order."""
-    sign = fmt.one_bit == 1
+    sign = fmt.sign
     values = dict(
         T=fmt.T, D=fmt.D, H=fmt.H, N=fmt.groups_per_block, sink_bytes=fmt.sink_bytes,
         state_bytes=fmt.state_bytes, key_kind=fmt.key_kind, key_bits=fmt.key_bits, n2=fmt.n2,
@@ -103,16 +110,25 @@ def format_values(fmt: PageFormat) -> list[int]:
     return [int(values[name]) for name in FORMAT_FIELDS]
 
 
-def unsupported_reason(layout, device, num_q_heads: int | None = None) -> str | None:
-    """None when the CUDA kernel can run this layout on ``device``, else why not (builds
-    the extension on first use)."""
-    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        return f"the CUDA kernel needs a CUDA device, not {device}"
-    fmt = page_format(layout)
-    if isinstance(fmt, str):
-        return fmt
-    if num_q_heads is not None and num_q_heads // layout.H > MAX_GQA:
-        return f"{num_q_heads // layout.H} query heads per KV head (the kernel takes {MAX_GQA})"
+def limits_reason(fmt: PageFormat, gqa: int) -> str | None:
+    """None when the kernel reads ``fmt`` with ``gqa`` query heads per KV head, else why not."""
+    reason = gpu_format_reason(fmt)
+    if reason is None and gqa > MAX_GQA:
+        reason = f"{gqa} query heads per KV head (the kernel takes at most {MAX_GQA})"
+    return reason
+
+
+def supports(fmt: PageFormat, device: torch.device | str, gqa: int) -> str | None:
+    """None when the kernel runs ``fmt`` with ``gqa`` query heads per KV head on ``device``,
+    else why not (builds the extension on first use)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the CUDA kernel runs on CUDA devices, not {device.type}"
+    reason = limits_reason(fmt, gqa)
+    if reason:
+        return reason
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
     try:
         load_extension()
     except RuntimeError as e:
@@ -131,15 +147,16 @@ def split_plan(max_groups: int, num_splits: int | None, device: torch.device | N
     return -(-max_groups // per_split), per_split
 
 
-def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Tensor, layout,
-                     group_table: torch.Tensor, num_groups: torch.Tensor,
-                     skip_tokens: torch.Tensor, scale: float, *, num_splits: int | None = None,
-                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Tensor,
+                     page: PageFormat | PageGeometry, group_table: torch.Tensor,
+                     num_groups: torch.Tensor, skip_tokens: torch.Tensor, scale: float, *,
+                     num_splits: int | None = None, out: torch.Tensor | None = None,
+                     lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract of :mod:`vllm_lowbit_kv.ops`, on a CUDA device (all tensors there)."""
-    fmt = page_format(layout)
-    if isinstance(fmt, str):
-        raise ValueError(f"lowbit-kv CUDA kernel: unsupported page format: {fmt}")
+    fmt = page_format(page)
+    reason = limits_reason(fmt, query.shape[1] // fmt.H)
+    if reason:
+        raise ValueError(f"lowbit-kv CUDA kernel: {reason}")
     ext = load_extension()
     n, Hq, D = query.shape
     dev = query.device
@@ -147,7 +164,7 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
     if nothing:
         return out, lse
     max_groups = group_table.shape[1]
-    splits, per_split = split_plan(max_groups, num_splits, dev, n * layout.H)
+    splits, per_split = split_plan(max_groups, num_splits, dev, n * fmt.H)
     empty = torch.empty(0, dtype=torch.float32, device=dev)
     part_out = part_lse = empty
     if splits > 1:
@@ -155,11 +172,16 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
         part_lse = torch.empty(splits, n, Hq, dtype=torch.float32, device=dev)
     fft = fft_matrix("inverse_t", fmt.n1, fmt.n1, dev) if fmt.fft else empty
     ext.packed_attention(
-        query.float(), q_start.to(dev, torch.int64), pages.view(pages.shape[0], layout.H, -1),
+        query.float(), q_start.to(dev, torch.int64), fmt.flat_pages(pages),
         group_table.to(dev, torch.int32), num_groups.to(dev, torch.int32),
         skip_tokens.to(dev, torch.int32), fft, out, lse, part_out, part_lse,
         format_values(fmt), per_split, splits, float(scale) * LOG2E)
     return out, lse
+
+
+attention = packed_attention
+#: no store kernel: the codecs encode on the tensors' device
+store = reference.store
 
 
 if __name__ == "__main__":

@@ -1,45 +1,63 @@
-"""Page format of a :class:`~vllm_lowbit_kv.paged.PagedLayout` as the GPU kernels read it.
+"""The page format: the one description of a packed page that every implementation reads.
 
-The Triton kernels (``triton_ops/``) and the CUDA kernel (``csrc/cuda/``) take the
-codec geometry and the byte offset of every field of a group's state as
-compile-time constants; this module derives them from the codecs' own
-:class:`~vllm_lowbit_kv.codecs.base.Layout`, so no field offset is written
-twice. It imports torch and the codecs only (no triton, no vLLM).
+A :class:`PageFormat` is derived once per page layout (:func:`page_format`) from
+the layout's codecs and geometry: the codecs themselves (the PyTorch reference
+decodes with them), the geometry, the codec kinds a kernel dispatches on, and
+the byte offset of every field of a group's state, taken from the codecs' own
+:class:`~vllm_lowbit_kv.codecs.base.Layout`. The kernels' arguments (the C++
+descriptors of :mod:`.cpu`, the ``LowbitPageFormat`` fields of :mod:`.cuda`,
+the Triton constants of :mod:`.triton.store_kernel`) are all computed from it, so no
+field offset is written twice. It imports torch and the codecs only.
 
-Formats the kernels read (anything else is refused, :func:`unsupported_reason`):
+Every layout has a format; codecs that no kernel reads get the kind
+:data:`OTHER`, and each implementation's ``supports`` says what it reads
+(:func:`kernel_codec_reason`).
 
-* keys: :class:`~vllm_lowbit_kv.codecs.kivi.KiviCodec` per channel (2, 4 or 8
-  bits), or :class:`~vllm_lowbit_kv.codecs.vidkv.VidKVKeyCodec` without STP
-  (any k, FFT or not, every ``one_bit`` mode);
-* values: ``KiviCodec`` per token (any ``group_size``) or per channel, or
-  :class:`~vllm_lowbit_kv.codecs.vidkv.TernaryValueCodec` with or without STP;
-* head_dim a power of two in [16, 256]; block_tokens in [1, 256].
-
-That covers the schemes ``kivi2``, ``kivi4``, ``vidkv``, ``vidkv_stp``,
-``vidkv_k2v2`` and ``vidkv_k15v2``.
+Page (see :mod:`vllm_lowbit_kv.paged`): per KV head, ``sink_bytes`` of sink
+area, then ``groups_per_block`` group states of ``state_bytes`` each: the key
+codec's bytes, the value codec's bytes, zero padding.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from ..codecs.base import require
+from ..codecs.base import BlockCodec, require
 from ..codecs.kivi import KiviCodec
 from ..codecs.vidkv import (ONE_BIT_MODES, TernaryValueCodec, VidKVKeyCodec, irfft_unique,
                             rfft_unique)
 
-# codec kinds (also the integer codes of csrc/cuda/packed_attention.cuh)
+# codec kinds the kernels dispatch on (also the integer codes of csrc/)
 KEY_KIVI_CHANNEL, KEY_VIDKV = 0, 1
 VAL_KIVI_TOKEN, VAL_KIVI_CHANNEL, VAL_TERNARY = 0, 1, 2
+#: a codec no kernel reads (the reference decodes it)
+OTHER = -1
+#: byte alignment of a group state (vLLM zeroes new blocks in 4-byte words and needs
+#: 4-byte page strides; the CUDA kernel reads 4-byte words)
+STATE_ALIGN = 4
+#: limits of the GPU kernels (Triton and CUDA: power-of-two tiles)
+GPU_MAX_HEAD_DIM, GPU_MAX_BLOCK_TOKENS = 256, 256
 #: ``one_bit`` modes as integers, in :data:`~vllm_lowbit_kv.codecs.vidkv.ONE_BIT_MODES` order
 ONE_BIT_CODE = {m: i for i, m in enumerate(ONE_BIT_MODES)}
-MAX_HEAD_DIM, MAX_BLOCK_TOKENS = 256, 256
 
 
-def _offsets(codec, base: int = 0) -> dict[str, int]:
+class PageGeometry(Protocol):
+    """What a format is derived from: a page layout (:class:`vllm_lowbit_kv.paged.PagedLayout`
+    has these attributes)."""
+
+    key_codec: BlockCodec
+    value_codec: BlockCodec
+    H: int  # KV heads
+    groups_per_block: int
+    sink_bytes: int  # per head, before the group states
+    state_bytes: int  # per group and head: K bytes, V bytes, padding
+
+
+def _offsets(codec: BlockCodec, base: int = 0) -> dict[str, int]:
     """Byte offset of every field of one (group, head) state, from the codec's Layout."""
     out, at = {}, base
     for name, n in codec.layout().fields:
@@ -48,18 +66,29 @@ def _offsets(codec, base: int = 0) -> dict[str, int]:
     return out
 
 
-def next_pow2(n: int, floor: int = 16) -> int:
-    """Padded extent of a kernel axis: a power of two >= n and >= ``floor`` (tl.dot's minimum)."""
-    p = floor
-    while p < n:
-        p *= 2
-    return p
+def _key_kind(kc: BlockCodec) -> int:
+    if type(kc) is KiviCodec and kc.axis == "channel":
+        return KEY_KIVI_CHANNEL
+    return KEY_VIDKV if type(kc) is VidKVKeyCodec else OTHER
 
 
-@dataclass(frozen=True)
+def _value_kind(vc: BlockCodec) -> int:
+    if type(vc) is KiviCodec:
+        return VAL_KIVI_TOKEN if vc.axis == "token" else VAL_KIVI_CHANNEL
+    return VAL_TERNARY if type(vc) is TernaryValueCodec else OTHER
+
+
+def _codec_name(codec: BlockCodec) -> str:
+    name = type(codec).__name__
+    return f"{name} per {codec.axis}" if type(codec) is KiviCodec else name
+
+
+@dataclass(frozen=True, eq=False)
 class PageFormat:
-    """Geometry, codec kinds and field offsets (from the state start, V after K)."""
+    """Codecs, geometry, codec kinds and field offsets (from the state start, V after K)."""
 
+    key_codec: BlockCodec = field(repr=False)
+    value_codec: BlockCodec = field(repr=False)
     T: int
     D: int
     H: int
@@ -70,6 +99,7 @@ class PageFormat:
     v_bytes: int
     key_kind: int
     key_bits: int  # KIVI keys: bits per code
+    key_protect: int  # VidKV keys: STP-protected tokens per group
     n2: int  # VidKV keys: 2-bit channels (KIVI: 0)
     n1: int  # VidKV keys: 1-bit channels/components (KIVI: 0)
     fft: bool
@@ -82,10 +112,52 @@ class PageFormat:
     gamma: float  # ternary threshold factor
     val_off: dict[str, int]
 
+    @classmethod
+    def build(cls, key_codec: BlockCodec, value_codec: BlockCodec, num_kv_heads: int,
+              groups_per_block: int = 1, sink_bytes: int = 0) -> "PageFormat":
+        """The format of pages holding ``groups_per_block`` groups of these codecs per KV
+        head after ``sink_bytes`` of sink area."""
+        kc, vc = key_codec, value_codec
+        vidkv, kivi_v = type(kc) is VidKVKeyCodec, type(vc) is KiviCodec
+        return cls(
+            key_codec=kc, value_codec=vc, T=kc.block_tokens, D=kc.head_dim, H=num_kv_heads,
+            groups_per_block=groups_per_block, sink_bytes=sink_bytes,
+            state_bytes=-(-(kc.nbytes + vc.nbytes) // STATE_ALIGN) * STATE_ALIGN,
+            k_bytes=kc.nbytes, v_bytes=vc.nbytes,
+            key_kind=_key_kind(kc), key_bits=kc.bits if type(kc) is KiviCodec else 0,
+            key_protect=kc.n_protect if vidkv else 0,
+            n2=kc.n2 if vidkv else 0, n1=kc.n1 if vidkv else 0,
+            fft=bool(vidkv and kc.fft_active),
+            one_bit=ONE_BIT_CODE[kc.one_bit] if vidkv else 0, key_off=_offsets(kc),
+            val_kind=_value_kind(vc), val_bits=vc.bits if kivi_v else 0,
+            val_group=vc.group_size if kivi_v else 0,
+            n_protect=vc.n_protect if type(vc) is TernaryValueCodec else 0,
+            gamma=vc.gamma if type(vc) is TernaryValueCodec else 0.0,
+            val_off=_offsets(vc, kc.nbytes))
+
+    @classmethod
+    def of(cls, layout: PageGeometry) -> "PageFormat":
+        """The format of a layout's pages (which must agree on the state size)."""
+        fmt = cls.build(layout.key_codec, layout.value_codec, layout.H, layout.groups_per_block,
+                        layout.sink_bytes)
+        require(layout.state_bytes == fmt.state_bytes, "layout.state_bytes",
+                f"{fmt.state_bytes} (K and V bytes padded to {STATE_ALIGN})", layout.state_bytes)
+        return fmt
+
     @property
     def n_low(self) -> int:
         """Tokens per group coded ternary (the unprotected ones)."""
         return self.T - self.n_protect
+
+    @property
+    def sign(self) -> bool:
+        """VidKV keys with ``one_bit == "sign"`` (levels -s1, +s1, one stored field)."""
+        return self.key_kind == KEY_VIDKV and ONE_BIT_MODES[self.one_bit] == "sign"
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one block of one KV head."""
+        return self.sink_bytes + self.groups_per_block * self.state_bytes
 
     def koff(self, name: str) -> int:
         """Offset of a key field, -1 when the codec has none (one constant per field)."""
@@ -94,68 +166,88 @@ class PageFormat:
     def voff(self, name: str) -> int:
         return self.val_off.get(name, -1)
 
+    def describe(self) -> str:
+        return f"{_codec_name(self.key_codec)}/{_codec_name(self.value_codec)} pages"
 
-def _key_reason(kc) -> str | None:
-    if type(kc) is KiviCodec:
-        return None if kc.axis == "channel" else "KIVI keys per token"
-    if type(kc) is VidKVKeyCodec:
-        return None if kc.n_protect == 0 else "VidKV keys with STP (protect > 0 on keys)"
-    return f"key codec {type(kc).__name__}"
+    # -- the page bytes, as the reference and the codec store read and write them ------
+    def flat_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """Any view of a layer's cache -> ``[num_blocks, H, P]`` uint8 sharing its memory."""
+        require(pages.dtype == torch.uint8, "pages.dtype", "torch.uint8", pages.dtype)
+        flat = pages.view(pages.shape[0], self.H, -1)  # raises rather than copy
+        require(flat.shape[-1] == self.head_bytes, "page bytes per head",
+                f"{self.head_bytes} (the format's)", flat.shape[-1])
+        require(flat.stride(-1) == 1, "pages", "contiguous along the page bytes", flat.stride())
+        return flat
+
+    def _group_states(self, pages: torch.Tensor) -> torch.Tensor:
+        flat = self.flat_pages(pages)
+        return flat[:, :, self.sink_bytes:].view(flat.shape[0], self.H, self.groups_per_block,
+                                                  self.state_bytes)
+
+    def read_states(self, pages: torch.Tensor, gids: torch.Tensor) -> torch.Tensor:
+        """pages, global group ids [G] -> states [G, H, state_bytes]."""
+        N = self.groups_per_block
+        return self._group_states(pages)[gids // N, :, gids % N]
+
+    def write_states(self, pages: torch.Tensor, gids: torch.Tensor, states: torch.Tensor) -> None:
+        N = self.groups_per_block
+        self._group_states(pages)[gids // N, :, gids % N] = states
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, relevance: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """K, V [G, T, H, D] (+ STP relevance [G, T, H]) -> states [G, H, state_bytes]."""
+        kb, vb = self.key_codec.encode(k, relevance), self.value_codec.encode(v, relevance)
+        pad = kb.new_zeros(*kb.shape[:-1], self.state_bytes - self.k_bytes - self.v_bytes)
+        return torch.cat([kb, vb, pad], dim=-1)
+
+    def decode(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """States [G, H, state_bytes] -> K, V [G, T, H, D] float32, as the codecs stored them."""
+        kb = states[..., :self.k_bytes].contiguous()
+        vb = states[..., self.k_bytes:self.k_bytes + self.v_bytes].contiguous()
+        return self.key_codec.decode(kb), self.value_codec.decode(vb)
 
 
-def _value_reason(vc) -> str | None:
-    if type(vc) in (KiviCodec, TernaryValueCodec):
-        return None
-    return f"value codec {type(vc).__name__}"
+_formats: "weakref.WeakKeyDictionary[object, PageFormat]" = weakref.WeakKeyDictionary()
 
 
-_formats: "weakref.WeakKeyDictionary[object, PageFormat | str]" = weakref.WeakKeyDictionary()
-
-
-def page_format(layout) -> PageFormat | str:
-    """The layout's :class:`PageFormat`, or a sentence saying why the kernels cannot read it."""
-    fmt = _formats.get(layout)
-    if fmt is not None:
-        return fmt
-    kc, vc = layout.key_codec, layout.value_codec
-    reasons = [r for r in (_key_reason(kc), _value_reason(vc)) if r]
-    D, T = layout.D, layout.T
-    if D & (D - 1) or not 16 <= D <= MAX_HEAD_DIM:
-        reasons.append(f"head_dim {D} (a power of two in [16, {MAX_HEAD_DIM}] is needed)")
-    if T > MAX_BLOCK_TOKENS:
-        reasons.append(f"block_tokens {T} (at most {MAX_BLOCK_TOKENS})")
-    if reasons:
-        fmt = ("the lowbit-kv GPU kernels read KIVI per-channel / VidKV keys and KIVI / ternary "
-               "values, not: " + "; ".join(reasons))
-    else:
-        vidkv = type(kc) is VidKVKeyCodec
-        kivi_v = type(vc) is KiviCodec
-        fmt = PageFormat(
-            T=T, D=D, H=layout.H, groups_per_block=layout.groups_per_block,
-            sink_bytes=layout.sink_bytes, state_bytes=layout.state_bytes,
-            k_bytes=layout.k_bytes, v_bytes=layout.v_bytes,
-            key_kind=KEY_VIDKV if vidkv else KEY_KIVI_CHANNEL,
-            key_bits=0 if vidkv else kc.bits,
-            n2=kc.n2 if vidkv else 0, n1=kc.n1 if vidkv else 0,
-            fft=bool(vidkv and kc.fft_active),
-            one_bit=ONE_BIT_CODE[kc.one_bit] if vidkv else 0,
-            key_off=_offsets(kc),
-            val_kind=(VAL_TERNARY if not kivi_v else
-                      VAL_KIVI_TOKEN if vc.axis == "token" else VAL_KIVI_CHANNEL),
-            val_bits=vc.bits if kivi_v else 0,
-            val_group=vc.group_size if kivi_v else 0,
-            n_protect=0 if kivi_v else vc.n_protect,
-            gamma=0.0 if kivi_v else vc.gamma,
-            val_off=_offsets(vc, layout.k_bytes),
-        )
-    _formats[layout] = fmt
+def page_format(page: PageFormat | PageGeometry) -> PageFormat:
+    """The format of a layout (derived once per layout object), or ``page`` itself when it
+    is a format already."""
+    if isinstance(page, PageFormat):
+        return page
+    fmt = _formats.get(page)
+    if fmt is None:
+        fmt = _formats[page] = PageFormat.of(page)
     return fmt
 
 
-def unsupported_reason(layout) -> str | None:
-    """None when the GPU kernels read this layout, else why not."""
-    fmt = page_format(layout)
-    return fmt if isinstance(fmt, str) else None
+def kernel_codec_reason(fmt: PageFormat, vidkv_key_stp: bool) -> str | None:
+    """None when a kernel reading KIVI per-channel / VidKV keys (with STP-protected key tokens
+    when ``vidkv_key_stp``) and KIVI / ternary values reads ``fmt``'s codecs, else why not."""
+    reasons = []
+    if fmt.key_kind == OTHER:
+        reasons.append(f"keys {_codec_name(fmt.key_codec)}")
+    elif fmt.key_protect and not vidkv_key_stp:
+        reasons.append("VidKV keys with STP (protect > 0 on keys)")
+    if fmt.val_kind == OTHER:
+        reasons.append(f"values {_codec_name(fmt.value_codec)}")
+    if not reasons:
+        return None
+    return ("it reads KIVI per-channel / VidKV keys and KIVI / ternary values, not: "
+            + "; ".join(reasons))
+
+
+def gpu_format_reason(fmt: PageFormat) -> str | None:
+    """None when the GPU kernels (Triton, CUDA) read pages of this format, else why not: they
+    read the codecs of :func:`kernel_codec_reason` without STP on keys, head_dim a power of
+    two in [16, 256], block_tokens up to 256."""
+    reasons = [r for r in (kernel_codec_reason(fmt, vidkv_key_stp=False),) if r]
+    D, T = fmt.D, fmt.T
+    if D & (D - 1) or not 16 <= D <= GPU_MAX_HEAD_DIM:
+        reasons.append(f"head_dim {D} (a power of two in [16, {GPU_MAX_HEAD_DIM}] is needed)")
+    if T > GPU_MAX_BLOCK_TOKENS:
+        reasons.append(f"block_tokens {T} (at most {GPU_MAX_BLOCK_TOKENS})")
+    return "; ".join(reasons) or None
 
 
 def attention_outputs(query: torch.Tensor, q_start: torch.Tensor, group_table: torch.Tensor,
@@ -180,11 +272,12 @@ def attention_outputs(query: torch.Tensor, q_start: torch.Tensor, group_table: t
     return out, lse, nothing
 
 
-def require_format(layout) -> PageFormat:
-    fmt = page_format(layout)
-    if isinstance(fmt, str):
-        raise ValueError(f"lowbit-kv kernels: unsupported page format: {fmt}")
-    return fmt
+def next_pow2(n: int, floor: int = 16) -> int:
+    """Padded extent of a kernel axis: a power of two >= n and >= ``floor`` (tl.dot's minimum)."""
+    p = floor
+    while p < n:
+        p *= 2
+    return p
 
 
 _maps: dict[tuple[str, int, int, str], torch.Tensor] = {}

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 #: when set, kernel launches go to ``launch_hook(kernel, grid, args, kwargs)`` instead
-#: (triton_ops.compile_check collects them to compile for GPU targets without a GPU)
+#: (compile_check collects them to compile for GPU targets without a GPU)
 launch_hook = None
 
 

@@ -1,9 +1,9 @@
 """Compile the Triton kernels for NVIDIA targets without a GPU (CI's GPU-lowering check).
 
-    python -m triton_ops.compile_check --arch 80 90 --scheme vidkv_stp kivi2
+    python -m vllm_lowbit_kv.ops.triton.compile_check --arch 80 90 --scheme vidkv_stp kivi2
 
 Runs the public wrappers on small CPU inputs with the launches intercepted
-(:data:`triton_ops._jit.launch_hook`), then compiles every launched kernel with
+(:data:`vllm_lowbit_kv.ops.triton._jit.launch_hook`), then compiles every launched kernel with
 its real arguments and constants down to a cubin for each ``sm_<arch>`` (the
 NVIDIA backend and ptxas ship with the triton wheel; no driver is needed) and
 prints registers and spill bytes per kernel (one JSON line each). Must run
@@ -42,25 +42,24 @@ def _signature_type(value) -> str:
 def collect_launches(scheme: str, head_dim: int = 64, block_tokens: int = 64) -> list:
     """(kernel, args, kwargs) of every launch that quantize-and-store and attention (split
     and unsplit) make for a small layout of ``scheme``."""
-    from vllm_lowbit_kv.paged import PagedLayout
-    from vllm_lowbit_kv.schemes import get_scheme
-
+    from ...schemes import get_scheme
+    from ..page_format import PageFormat
     from . import _jit
-    from .attention import packed_attention
-    from .store import quantize_and_store
+    from .attention_kernel import packed_attention
+    from .store_kernel import quantize_and_store
 
     launches = []
     _jit.launch_hook = lambda kernel, grid, args, kwargs: launches.append((kernel, args, kwargs))
     try:
         kc, vc = get_scheme(scheme).codecs(head_dim, block_tokens)
-        layout = PagedLayout(kc, vc, 2, block_tokens)
-        pages = torch.zeros(layout.page_shape(4), dtype=torch.uint8)
+        fmt = PageFormat.build(kc, vc, num_kv_heads=2)
+        pages = torch.zeros(4, fmt.H, fmt.head_bytes, dtype=torch.uint8)
         k = torch.randn(2, block_tokens, 2, head_dim).bfloat16()
-        quantize_and_store(k, k.clone(), torch.tensor([0, 1]), pages, layout,
+        quantize_and_store(k, k.clone(), torch.tensor([0, 1]), pages, fmt,
                            torch.rand(2, block_tokens, 2))
         table = torch.zeros(2, 8, dtype=torch.int32)
         q = torch.randn(3, 8, head_dim).bfloat16()
-        packed_attention(q, torch.tensor([0, 2, 3]), pages, layout, table, torch.tensor([3, 8]),
+        packed_attention(q, torch.tensor([0, 2, 3]), pages, fmt, table, torch.tensor([3, 8]),
                          torch.tensor([0, 0]), 0.125, num_splits=2)
     finally:
         _jit.launch_hook = None

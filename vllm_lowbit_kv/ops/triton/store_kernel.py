@@ -1,8 +1,8 @@
 """Fused quantize-and-store: the model-dtype K/V of filled groups -> their packed page states.
 
-``quantize_and_store(k, v, gids, pages, layout, relevance)`` writes what
-``layout.write_states(pages, gids, layout.encode(k, v, relevance))`` writes,
-in one kernel launch (one program per (group, KV head)), without
+``quantize_and_store(k, v, gids, pages, page, relevance)`` writes what the
+reference store (:func:`vllm_lowbit_kv.ops.reference.store`: encode with the
+codecs, write the states) writes, in one kernel launch (one program per (group, KV head)), without
 materializing float32 copies or the encoded states.
 
 Agreement with the reference codecs (tests/test_triton_ops.py checks each):
@@ -44,11 +44,12 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_lowbit_kv.codecs.base import FP16_MAX, require
+from ...codecs.base import FP16_MAX, require
 
+from ..page_format import (VAL_TERNARY, PageFormat, PageGeometry, fft_matrix, gpu_format_reason,
+                           next_pow2, page_format)
 from . import _jit
 from ._jit import load_f16, pow3, rint, store_f16
-from vllm_lowbit_kv.ops.page_format import VAL_TERNARY, fft_matrix, next_pow2, require_format
 
 
 @triton.jit
@@ -317,9 +318,9 @@ def _store_kernel(k_ptr, v_ptr, rel_ptr, gid_ptr, pages_ptr, fwd_ptr,
         tl.store(dst + KV_BYTES + p, tl.zeros([PADP], tl.uint8), mask=p < STATE - KV_BYTES)
 
 
-def kernel_constants(fmt) -> dict:
+def kernel_constants(fmt: PageFormat) -> dict:
     """Compile-time constants shared by the store and attention kernels."""
-    sign = fmt.one_bit == 1
+    sign = fmt.sign
     return dict(
         T=fmt.T, TP=next_pow2(fmt.T), D=fmt.D, N=fmt.groups_per_block, SINK=fmt.sink_bytes,
         STATE=fmt.state_bytes, KEY_KIND=fmt.key_kind, KEY_BITS=fmt.key_bits,
@@ -338,25 +339,24 @@ def kernel_constants(fmt) -> dict:
     )
 
 
-def flat_pages(pages: torch.Tensor, layout) -> torch.Tensor:
-    """Any view of a layer's cache -> ``[num_blocks, H, P]`` uint8 sharing its memory."""
-    require(pages.dtype == torch.uint8, "pages.dtype", "torch.uint8", pages.dtype)
-    flat = pages.view(pages.shape[0], layout.H, -1)
-    require(flat.shape[-1] == layout.head_bytes, "page bytes per head",
-            f"{layout.head_bytes} (the layout's)", flat.shape[-1])
-    require(flat.stride(-1) == 1, "pages", "contiguous along the page bytes", flat.stride())
-    return flat
+def readable_format(page: PageFormat | PageGeometry) -> PageFormat:
+    """The page's format; ValueError with the reason when the kernels cannot read it."""
+    fmt = page_format(page)
+    reason = gpu_format_reason(fmt)
+    if reason:
+        raise ValueError(f"lowbit-kv Triton kernels: unsupported page format: {reason}")
+    return fmt
 
 
 def quantize_and_store(k: torch.Tensor, v: torch.Tensor, gids: torch.Tensor, pages: torch.Tensor,
-                       layout, relevance: torch.Tensor | None = None,
+                       page: PageFormat | PageGeometry, relevance: torch.Tensor | None = None,
                        validate: bool = True) -> None:
-    """Encode the filled groups K, V ``[E, T, H, D]`` (any float dtype, any strides) with
-    the layout's codecs and write them into their page states ``gids`` [E] (global group
-    ids), as ``layout.write_states(pages, gids, layout.encode(k, v, relevance))`` does
-    (agreement: module docstring). ``relevance`` [E, T, H]: STP scores (used only when
-    the value codec protects tokens; None: the codec's fallback)."""
-    fmt = require_format(layout)
+    """Encode the filled groups K, V ``[E, T, H, D]`` (any float dtype, any strides; in codec
+    space) with the format's codecs and write them into their page states ``gids`` [E]
+    (global group ids), as the reference store does (agreement: module docstring).
+    ``relevance`` [E, T, H]: STP scores (used only when the value codec protects tokens;
+    None: the codec's fallback)."""
+    fmt = readable_format(page)
     T, H, D = fmt.T, fmt.H, fmt.D
     E = k.shape[0]
     for name, x in (("k", k), ("v", v)):
@@ -364,7 +364,7 @@ def quantize_and_store(k: torch.Tensor, v: torch.Tensor, gids: torch.Tensor, pag
                 f"[E, {T}, {H}, {D}]", tuple(x.shape))
     require(v.shape[0] == E and gids.shape == (E,), "gids.shape", f"({E},) like k and v",
             tuple(gids.shape))
-    flat = flat_pages(pages, layout)
+    flat = fmt.flat_pages(pages)
     if E == 0:
         return
     if validate:

@@ -1,6 +1,6 @@
 """Paged decode attention over packed pages (the contract of :mod:`vllm_lowbit_kv.ops`).
 
-``packed_attention(query, q_start, pages, layout, group_table, num_groups,
+``packed_attention(query, q_start, pages, page, group_table, num_groups,
 skip_tokens, scale) -> (out, lse)``, reading only the packed group states.
 
 Work split. One program handles one *row tile* of a request (up to ``BR``
@@ -50,12 +50,12 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from vllm_lowbit_kv.codecs.base import require
+from ...codecs.base import require
 
+from ..page_format import PageFormat, PageGeometry, attention_outputs, fft_matrix
 from . import _jit
 from ._jit import load_code_rows, load_codes, load_f16, load_trits
-from vllm_lowbit_kv.ops.page_format import attention_outputs, fft_matrix, require_format
-from .store import flat_pages, kernel_constants
+from .store_kernel import kernel_constants, readable_format
 
 ATTN_WARPS = 8
 LOG2E = 1.4426950408889634
@@ -335,18 +335,18 @@ def _default_splits(device: torch.device, programs: int, max_groups: int) -> int
     return max(1, min(want, max_groups // 4))
 
 
-def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Tensor, layout,
-                     group_table: torch.Tensor, num_groups: torch.Tensor,
-                     skip_tokens: torch.Tensor, scale: float, *, num_splits: int | None = None,
-                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Tensor,
+                     page: PageFormat | PageGeometry, group_table: torch.Tensor,
+                     num_groups: torch.Tensor, skip_tokens: torch.Tensor, scale: float, *,
+                     num_splits: int | None = None, out: torch.Tensor | None = None,
+                     lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract of :mod:`vllm_lowbit_kv.ops` (see the module doc for the work split).
     ``num_splits`` forces the number of context splits (default: from the device's SM
     count); ``out`` [n, Hq, D] / ``lse`` [n, Hq] (float32, contiguous) may be given."""
-    fmt = require_format(layout)
+    fmt = readable_format(page)
     n, Hq, D = query.shape
     H = fmt.H
-    require(D == fmt.D, "query head_dim", f"{fmt.D} (the layout's)", D)
+    require(D == fmt.D, "query head_dim", f"{fmt.D} (the format's)", D)
     require(Hq % H == 0, "query heads", f"a multiple of the KV heads ({H})", Hq)
     G = Hq // H
     dev = query.device
@@ -354,7 +354,7 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
     if nothing:
         return out, lse
     R, max_groups = q_start.numel() - 1, group_table.shape[1]
-    flat = flat_pages(pages, layout)
+    flat = fmt.flat_pages(pages)
     q_start = q_start.to(dev, torch.int64)
     rows_per_tile = 1 if n <= R else max(1, 64 // G)
     tile_req, tile_row, n_tiles = _row_tiles(q_start, n, rows_per_tile)
