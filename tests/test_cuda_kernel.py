@@ -81,7 +81,7 @@ def test_format_values_are_the_codec_offsets(scheme):
         assert values["k_cmask"] == -1 and values["k_codes"] == 0
     v_first = layout.value_codec.layout().fields[0][0]
     key = {"codes": "v_codes", "alpha": "v_alpha", "prot_scale": "v_pscale"}[v_first]
-    assert values[key] == layout.k_bytes  # V fields count from the state start
+    assert values[key] == layout.format.k_bytes  # V fields count from the state start
     assert len(vfields) > 0
 
 

@@ -100,7 +100,7 @@ def test_page_bytes_proportional_and_aligned():
     # vidkv_stp's K+V is not a multiple of 4 bytes: padded (vLLM zeroes 4-byte words)
     lay, *_ = make("vidkv_stp", T=64, block_size=128)
     assert (lay.key_codec.nbytes + lay.value_codec.nbytes) % 4 and lay.state_bytes % 4 == 0
-    assert lay.page_bytes % 4 == 0 and lay.pad_bytes < 4
+    assert lay.page_bytes % 4 == 0 and lay.state_bytes - lay.format.k_bytes - lay.format.v_bytes < 4
     # the sink area is counted: 2 * sinks * D bf16 per head per block
     sk, *_ = make("kivi2", T=64, block_size=128, sinks=4)
     assert sk.page_bytes - layout.page_bytes == H * 2 * 4 * D * 2
@@ -280,8 +280,8 @@ def test_stp_pages_equal_hf_yardstick(obs_window):
         g = torch.arange(n_groups)
         gids = tables[r][g // layout.groups_per_block] * layout.groups_per_block + g % layout.groups_per_block
         states = layout.read_states(pages, gids)
-        ours_k = states[..., :layout.k_bytes]
-        ours_v = states[..., layout.k_bytes:layout.k_bytes + layout.v_bytes]
+        ours_k = states[..., :layout.format.k_bytes]
+        ours_v = states[..., layout.format.k_bytes:layout.format.k_bytes + layout.format.v_bytes]
         assert torch.equal(ours_k, hf.packed_k[0]), r
         assert torch.equal(ours_v, hf.packed_v[0]), r
 

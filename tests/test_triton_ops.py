@@ -110,7 +110,7 @@ def _tie_margin_ok(name, codec, x, mismatch, rel=None):
 
 def _assert_states_agree(layout, ref, got, k, v, rel):
     """Field-by-field comparison of reference and kernel states [E, H, C] (module doc)."""
-    kb = layout.k_bytes
+    kb = layout.format.k_bytes
     for codec, lo, hi, x in ((layout.key_codec, 0, kb, k), (layout.value_codec, kb, None, v)):
         a, b = _fields(codec, ref[..., lo:hi]), _fields(codec, got[..., lo:hi])
         xg = x.float().permute(0, 2, 1, 3).reshape(-1, layout.T, layout.D)  # [E*H, T, D]
@@ -203,7 +203,7 @@ def test_quantize_and_store_many_groups_near_ties_only():
     got = layout.read_states(pages.cpu(), gids)
     want = layout.read_states(ref, gids)
     # the norm fallback may pick another token at a norm tie: compare masks first
-    kb = layout.k_bytes
+    kb = layout.format.k_bytes
     vm = _fields(layout.value_codec, want[..., kb:])["tok_mask"]
     gm = _fields(layout.value_codec, got[..., kb:])["tok_mask"]
     assert torch.equal(vm, gm)

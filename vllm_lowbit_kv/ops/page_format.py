@@ -1,6 +1,6 @@
 """The page format: the one description of a packed page that every implementation reads.
 
-A :class:`PageFormat` is derived once per page layout (:func:`page_format`) from
+A :class:`PageFormat` is built once per page layout (``PagedLayout.format``) from
 the layout's codecs and geometry: the codecs themselves (the PyTorch reference
 decodes with them), the geometry, the codec kinds a kernel dispatches on, and
 the byte offset of every field of a group's state, taken from the codecs' own
@@ -20,7 +20,6 @@ codec's bytes, the value codec's bytes, zero padding.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,15 +45,10 @@ ONE_BIT_CODE = {m: i for i, m in enumerate(ONE_BIT_MODES)}
 
 
 class PageGeometry(Protocol):
-    """What a format is derived from: a page layout (:class:`vllm_lowbit_kv.paged.PagedLayout`
-    has these attributes)."""
+    """A page layout that carries its format (:class:`vllm_lowbit_kv.paged.PagedLayout`
+    builds it once from its codecs and geometry)."""
 
-    key_codec: BlockCodec
-    value_codec: BlockCodec
-    H: int  # KV heads
-    groups_per_block: int
-    sink_bytes: int  # per head, before the group states
-    state_bytes: int  # per group and head: K bytes, V bytes, padding
+    format: "PageFormat"
 
 
 def _offsets(codec: BlockCodec, base: int = 0) -> dict[str, int]:
@@ -135,15 +129,6 @@ class PageFormat:
             gamma=vc.gamma if type(vc) is TernaryValueCodec else 0.0,
             val_off=_offsets(vc, kc.nbytes))
 
-    @classmethod
-    def of(cls, layout: PageGeometry) -> "PageFormat":
-        """The format of a layout's pages (which must agree on the state size)."""
-        fmt = cls.build(layout.key_codec, layout.value_codec, layout.H, layout.groups_per_block,
-                        layout.sink_bytes)
-        require(layout.state_bytes == fmt.state_bytes, "layout.state_bytes",
-                f"{fmt.state_bytes} (K and V bytes padded to {STATE_ALIGN})", layout.state_bytes)
-        return fmt
-
     @property
     def n_low(self) -> int:
         """Tokens per group coded ternary (the unprotected ones)."""
@@ -207,18 +192,9 @@ class PageFormat:
         return self.key_codec.decode(kb), self.value_codec.decode(vb)
 
 
-_formats: "weakref.WeakKeyDictionary[object, PageFormat]" = weakref.WeakKeyDictionary()
-
-
 def page_format(page: PageFormat | PageGeometry) -> PageFormat:
-    """The format of a layout (derived once per layout object), or ``page`` itself when it
-    is a format already."""
-    if isinstance(page, PageFormat):
-        return page
-    fmt = _formats.get(page)
-    if fmt is None:
-        fmt = _formats[page] = PageFormat.of(page)
-    return fmt
+    """The format of a layout's pages, or ``page`` itself when it is a format already."""
+    return page if isinstance(page, PageFormat) else page.format
 
 
 def kernel_codec_reason(fmt: PageFormat, vidkv_key_stp: bool) -> str | None:

@@ -6,17 +6,18 @@ from __future__ import annotations
 import torch
 
 from ..codecs.base import BlockCodec, require
+from ..ops.page_format import PageFormat
 from ..rotation import HadamardRotation
 
 
-#: byte alignment of a group's state (and so of every page)
-STATE_ALIGN = 4
 #: relevance given to sink rows of group 0: below any attention mass (never protected)
 SINK_RELEVANCE = -1.0
 
 
 class PagedLayout:
-    """Byte layout of a packed page and the codec calls that fill and read it."""
+    """A layer's pages: their :class:`~vllm_lowbit_kv.ops.PageFormat` (the group states, the
+    one description every kernel reads), the sink area in the model dtype, the rotation of
+    head vectors into codec space, and vLLM's block geometry."""
 
     def __init__(self, key_codec: BlockCodec, value_codec: BlockCodec, num_kv_heads: int,
                  block_size: int, sink_tokens: int = 0, sink_dtype: torch.dtype = torch.bfloat16,
@@ -38,19 +39,18 @@ class PagedLayout:
         self.T, self.D, self.H = T, key_codec.head_dim, num_kv_heads
         self.block_size = block_size
         self.groups_per_block = block_size // T
-        self.k_bytes, self.v_bytes = key_codec.nbytes, value_codec.nbytes
-        #: K then V bytes of one group of one head, padded to a multiple of 4 bytes
-        #: (vLLM zeroes new blocks in 4-byte words and needs 4-byte page strides)
-        self.state_bytes = -(-(self.k_bytes + self.v_bytes) // STATE_ALIGN) * STATE_ALIGN
-        self.pad_bytes = self.state_bytes - self.k_bytes - self.v_bytes
         self.sink_tokens, self.sink_dtype = sink_tokens, sink_dtype
         #: K and V head vectors are rotated before encoding (codec space = rotated space)
         self.rotation = rotation
         self._elt = torch.empty(0, dtype=sink_dtype).element_size()
         #: bytes of the sink area per head: K rows [s, D] then V rows [s, D]
         self.sink_bytes = 2 * sink_tokens * self.D * self._elt
+        self.format = PageFormat.build(key_codec, value_codec, num_kv_heads,
+                                       self.groups_per_block, self.sink_bytes)
+        #: K then V bytes of one group of one head, padded (PageFormat)
+        self.state_bytes = self.format.state_bytes
         #: bytes of one block of one KV head
-        self.head_bytes = self.sink_bytes + self.groups_per_block * self.state_bytes
+        self.head_bytes = self.format.head_bytes
 
     @property
     def page_bytes(self) -> int:
@@ -77,57 +77,29 @@ class PagedLayout:
         first when the layout has a rotation)."""
         if self.rotation is not None:
             k, v = self.rotation.rotate(k), self.rotation.rotate(v)
-        kb, vb = self.key_codec.encode(k, relevance), self.value_codec.encode(v, relevance)
-        parts = [kb, vb]
-        if self.pad_bytes:
-            parts.append(kb.new_zeros(*kb.shape[:-1], self.pad_bytes))
-        return torch.cat(parts, dim=-1)
+        return self.format.encode(k, v, relevance)
 
-    def decode_codes(self, states: torch.Tensor, dtype: torch.dtype = torch.float32
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """uint8 states [G, H, C] -> K, V [G, T, H, D] as the codecs stored them (rotated
-        when the layout rotates): what packed attention reads, with a rotated query."""
-        kb, vb, _ = states.split([self.k_bytes, self.v_bytes, self.pad_bytes], dim=-1)
-        return (self.key_codec.decode(kb.contiguous(), dtype),
-                self.value_codec.decode(vb.contiguous(), dtype))
-
-    def decode(self, states: torch.Tensor, dtype: torch.dtype = torch.float32
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """uint8 states [G, H, C] -> K, V [G, T, H, D] in the model's space."""
-        k, v = self.decode_codes(states, dtype)
+    def decode(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 states [G, H, C] -> K, V [G, T, H, D] float32 in the model's space."""
+        k, v = self.format.decode(states)
         if self.rotation is not None:
             k, v = self.rotation.unrotate(k), self.rotation.unrotate(v)
         return k, v
 
     # -- page addressing --------------------------------------------------------
-    def _flat(self, pages: torch.Tensor) -> torch.Tensor:
-        """Any vLLM view of a layer's cache -> ``[B, H, P]`` sharing its memory."""
-        flat = pages.view(pages.shape[0], self.H, -1)  # raises rather than copy
-        require(flat.shape[-1] == self.head_bytes, "page bytes per head",
-                f"{self.head_bytes} (the layout's)", flat.shape[-1])
-        return flat
+    def read_states(self, pages: torch.Tensor, gids: torch.Tensor) -> torch.Tensor:
+        """pages, gids [G] -> states [G, H, C]."""
+        return self.format.read_states(pages, gids)
 
-    def _groups(self, pages: torch.Tensor) -> torch.Tensor:
-        """``[B, H, N, C]`` view of the group states."""
-        flat = self._flat(pages)
-        return flat[:, :, self.sink_bytes:].view(flat.shape[0], self.H, self.groups_per_block,
-                                                  self.state_bytes)
+    def write_states(self, pages: torch.Tensor, gids: torch.Tensor, states: torch.Tensor) -> None:
+        self.format.write_states(pages, gids, states)
 
     def _sinks(self, pages: torch.Tensor) -> torch.Tensor:
         """``[B, 2, s, H, D * elt]`` byte view of the sink areas (K then V)."""
-        flat = self._flat(pages)
+        flat = self.format.flat_pages(pages)
         return (flat[:, :, :self.sink_bytes]
                 .view(flat.shape[0], self.H, 2, self.sink_tokens, self.D * self._elt)
                 .permute(0, 2, 3, 1, 4))
-
-    def read_states(self, pages: torch.Tensor, gids: torch.Tensor) -> torch.Tensor:
-        """pages, gids [G] -> states [G, H, C]."""
-        N = self.groups_per_block
-        return self._groups(pages)[gids // N, :, gids % N]
-
-    def write_states(self, pages: torch.Tensor, gids: torch.Tensor, states: torch.Tensor) -> None:
-        N = self.groups_per_block
-        self._groups(pages)[gids // N, :, gids % N] = states
 
     def write_sinks(self, pages: torch.Tensor, blocks: torch.Tensor, pos: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor) -> None:
