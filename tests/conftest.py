@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-# Without a CUDA device the Triton kernels (triton_ops) run in Triton's interpreter.
+# Without a CUDA device the Triton kernels (vllm_lowbit_kv.ops.triton) run in Triton's interpreter.
 # Triton decides when a kernel is defined (and, when triton is imported, for its own
 # library functions) whether it is interpreted, and torch imports triton lazily while
 # the test modules are collected: so TRITON_INTERPRET is set here, first, and dropped

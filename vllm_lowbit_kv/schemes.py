@@ -28,7 +28,7 @@ DEFAULT_RESIDUAL_TOKENS = 128
 #: largest residual window (tokens): staging holds it for every running sequence
 MAX_RESIDUAL_TOKENS = 1024
 #: tokens per vLLM page (block) by default: the sink area, which every page carries
-#: (paged.py), is paid once per page, so larger pages make sinks cheap
+#: (paged/), is paid once per page, so larger pages make sinks cheap
 DEFAULT_PAGE_TOKENS = 512
 #: largest page (tokens)
 MAX_PAGE_TOKENS = 8192

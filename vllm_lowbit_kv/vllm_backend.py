@@ -1,4 +1,4 @@
-"""vLLM attention backend for the packed low-bit KV cache (thin glue over paged.py).
+"""vLLM attention backend for the packed low-bit KV cache (thin glue over paged/).
 
 Selected by the plugin (vllm_plugin.py) for ``--kv-cache-dtype <scheme>``.
 Modelled on vLLM's ``cpu_attn.py`` (metadata builder / impl split) and
@@ -188,9 +188,10 @@ def _attention_impl_reasons(vllm_config: "VllmConfig", scheme: KVScheme, cfg: Lo
     if name == "auto":
         return []
     model_config = vllm_config.model_config
-    layout = _layout(scheme, head_dim, model_config.get_num_kv_heads(vllm_config.parallel_config),
-                     scheme.block_tokens, model_config.dtype)
-    reason = unsupported_reason(name, layout, _device_type(vllm_config))
+    kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
+    layout = _layout(scheme, head_dim, kv_heads, scheme.block_tokens, model_config.dtype)
+    gqa = model_config.get_num_attention_heads(vllm_config.parallel_config) // kv_heads
+    reason = unsupported_reason(name, layout, _device_type(vllm_config), gqa)
     return [f"attention_impl {name!r} cannot run here: {reason}"] if reason else []
 
 
@@ -503,7 +504,7 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
         # does not change which implementation can read the pages
         self.attention_impl, self.packed_attention = select_implementation(
             _layout(self.scheme, head_size, num_kv_heads, self.T, self.model_dtype),
-            _device_type(vllm_config), cfg.attention_impl)
+            _device_type(vllm_config), cfg.attention_impl, gqa=num_heads // num_kv_heads)
         _log_implementation(self.attention_impl)
         if _device_type(vllm_config) == "cpu":
             _install_budget_hook()

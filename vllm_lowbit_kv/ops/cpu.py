@@ -47,7 +47,7 @@ from .page_format import (KEY_KIVI_CHANNEL, KEY_VIDKV, VAL_KIVI_CHANNEL, VAL_KIV
 
 logger = logging.getLogger("vllm.lowbit_kv.ops")
 
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "packed_attention.cpp"
+SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "packed_attention.cpp"
 #: target ISA: the build machine's own unless LOWBIT_KV_CPU_MARCH names another (the
 #: tests build an AVX2-only variant this way to run the portable code paths)
 MARCH = os.environ.get("LOWBIT_KV_CPU_MARCH", "native")

@@ -40,7 +40,7 @@ from .page_format import (PageFormat, PageGeometry, attention_outputs, fft_matri
                           gpu_format_reason, page_format)
 
 name = "cuda"
-SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc" / "cuda"
+SOURCE_DIR = Path(__file__).resolve().parents[1] / "csrc" / "cuda"
 SOURCES = ("bindings.cpp", "packed_attention.cu")
 EXTENSION = "lowbit_kv_cuda"
 MAX_GQA = 16  # LOWBIT_MAX_GQA in packed_attention.cuh
