@@ -52,9 +52,10 @@ def fake_quant(layout, k_seq, v_seq, sinks=0, upto=None, window=0):
 
 
 def run_schedule(layout, pages, staging, alloc, seqs, tables, schedule, obs_window=None,
-                 on_step=None, packed_attention=None):
+                 on_step=None, packed_attention=None, forward=forward_layer):
     """Drive requests through steps of per-request token counts; return outputs per step
-    (the packed context through ``packed_attention``, default the reference)."""
+    (the packed context through ``packed_attention``, default the reference; each layer
+    step through ``forward``)."""
     bs = layout.block_size
     done = [0] * len(seqs)
     outs = []
@@ -78,8 +79,8 @@ def run_schedule(layout, pages, staging, alloc, seqs, tables, schedule, obs_wind
         bt = torch.stack([tables[r] for r in rows])
         wp, rp = alloc.plan_step(torch.cat(slots), seq_lens, qs, bt, layout.groups_per_block)
         out = torch.zeros(query.shape)
-        forward_layer(wp, rp, layout, query, key, value, pages, staging, D ** -0.5, out,
-                      obs_window, packed_attention)
+        forward(wp, rp, layout, query, key, value, pages, staging, D ** -0.5, out,
+                obs_window, packed_attention)
         outs.append((rows, qs, seq_lens, out))
         if on_step:
             on_step(rows, qs, seq_lens, out)
@@ -420,3 +421,30 @@ def test_apply_writes_without_positions_still_encodes():
     dk, _ = layout.decode(layout.read_states(pages, torch.tensor([0, 1])))
     ek, _ = layout.decode(layout.encode(k[:32].reshape(2, 16, H, D), v[:32].reshape(2, 16, H, D)))
     assert torch.equal(dk, ek)
+
+
+@pytest.mark.parametrize("scheme,params", [
+    ("kivi2", {}), ("vidkv", dict(sinks=3, window=1, rotate="hadamard")),
+    ("vidkv_stp", dict(q_heads=HQ)), ("quantile1", {}), ("dynamic2", {})])
+def test_forward_allocates_on_the_tensors_device(scheme, params):
+    """The GPU serving path runs this same code on CUDA tensors: every tensor it makes
+    must go to its inputs' device (data) or stay with the plans (CPU indices), never to
+    the default device. Run with the default device set to ``meta``, any such tensor
+    would be a meta tensor meeting CPU data and raise; the outputs equal a plain run."""
+    def run(forward):
+        torch.manual_seed(0)
+        layout, pages, staging, alloc = make(scheme, slots=6, **params)
+        seqs = [(rnd(L, H, D), rnd(L, H, D), rnd(L, HQ, D)) for L in (78, 41)]
+        tables = [torch.arange(8), torch.arange(8, 16)]
+        obs = 8 if layout.key_codec.uses_relevance or layout.value_codec.uses_relevance else None
+        _, outs = run_schedule(layout, pages, staging, alloc, seqs, tables,
+                               [[20, 33], [40, 0], [10, 1], [1, 1]], obs, forward=forward)
+        return [o for *_, o in outs], pages
+
+    def on_meta_default(*args):
+        with torch.device("meta"):
+            forward_layer(*args)
+
+    plain, plain_pages = run(forward_layer)
+    meta, meta_pages = run(on_meta_default)
+    assert all(torch.equal(a, b) for a, b in zip(plain, meta)) and torch.equal(plain_pages, meta_pages)

@@ -19,8 +19,8 @@ def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, 
     query [q, Hq, D]; k, v [S, Hkv, D] with S = ctx_len + q -> [q, Hq, D] float32.
     """
     q_len, S = query.shape[0], k.shape[0]
-    qi = torch.arange(q_len).unsqueeze(1) + ctx_len
-    mask = torch.arange(S).unsqueeze(0) <= qi
+    qi = torch.arange(q_len, device=query.device).unsqueeze(1) + ctx_len
+    mask = torch.arange(S, device=query.device).unsqueeze(0) <= qi
     out = F.scaled_dot_product_attention(
         query.float().transpose(0, 1).unsqueeze(0), k.float().transpose(0, 1).unsqueeze(0),
         v.float().transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
@@ -121,5 +121,5 @@ def context_keys(rplan: ReadPlan, r: int, layout: PagedLayout, pages: torch.Tens
     part = rplan.ctx_len[r] - g * T
     if part:
         slots = rplan.window_slots[r] + ([rplan.tail_slot[r]] if rplan.ctx_len[r] % T else [])
-        parts.append(read_staged(staging.k, torch.tensor(slots), part))
-    return torch.cat(parts) if parts else torch.empty(0, H, D)
+        parts.append(read_staged(staging.k, torch.tensor(slots, device="cpu"), part))
+    return torch.cat(parts) if parts else torch.empty(0, H, D, device=staging.k.device)

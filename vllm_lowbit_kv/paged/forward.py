@@ -70,9 +70,9 @@ def _encode_in_dependency_order(wplan: WritePlan, rplan: ReadPlan, layout: Paged
     enc_req = wplan.enc_req
     require(bool((enc_req >= 0).all()), "WritePlan.enc_req", "known for relevance",
             enc_req.tolist())
-    rel = torch.zeros(E, layout.T, layout.H)
+    rel = torch.zeros(E, layout.T, layout.H, device=key.device)
     encode_groups(wplan, layout, key, value, pages, staging, rows=EMPTY_INDEX)  # sinks only
-    done = torch.zeros(E, dtype=torch.bool)
+    done = torch.zeros(E, dtype=torch.bool, device=enc_req.device)  # plans stay on the CPU
     while not bool(done.all()):
         pending = wplan.enc_gids[~done]
         ready = [r for r in sorted(set(enc_req[~done].tolist()))
@@ -84,7 +84,7 @@ def _encode_in_dependency_order(wplan: WritePlan, rplan: ReadPlan, layout: Paged
         for r in ready:
             _fill_relevance(rel, r, wplan, rplan, layout, query, key, pages, staging, scale,
                             obs_window)
-        wave = ~done & torch.isin(enc_req, torch.tensor(ready))
+        wave = ~done & torch.isin(enc_req, torch.tensor(ready, device=enc_req.device))
         encode_groups(wplan, layout, key, value, pages, staging, rel, torch.nonzero(wave).flatten())
         done |= wave
 

@@ -58,7 +58,7 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
     if E == 0 or (rows is not None and rows.numel() == 0):
         return
     T, H, D = layout.T, layout.H, layout.D
-    tk = torch.zeros(E, T, H, D, dtype=torch.float32)
+    tk = torch.zeros(E, T, H, D, dtype=torch.float32, device=key.device)
     tv = torch.zeros_like(tk)
     has = plan.enc_src_slot >= 0
     if bool(has.any()):
