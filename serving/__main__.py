@@ -44,6 +44,13 @@ Defaults (each applies only where neither a flag nor the environment, nor a
   torch.compile warm-up; not with ``-O``/``--compilation-config``) and
   ``--max-num-seqs 32`` (each running sequence holds bf16 staging slots paid from
   the KV budget). Elsewhere vLLM's own defaults stand.
+* on the CPU platform with several ranks (``--tensor-parallel-size`` x
+  ``--pipeline-parallel-size`` > 1): ``VLLM_CPU_OMP_THREADS_BIND`` shares this
+  process's CPUs among the ranks (vLLM's automatic binding wants one NUMA node per
+  rank), and with pipeline parallelism ``--compilation-config '{"mode": 3,
+  "backend": "eager"}'`` replaces ``--enforce-eager`` (vLLM's CPU runner sets up
+  what a later stage receives only in a warm-up pass that eager mode skips; the
+  eager backend traces the model without inductor).
 """
 
 from __future__ import annotations
@@ -123,6 +130,9 @@ DEFAULT_HOST = "127.0.0.1"
 CPU_DEFAULTS: dict[str, list[str]] = {"--kv-cache-dtype": ["vidkv"], "--enforce-eager": [],
                                       "--max-num-seqs": ["32"]}
 CPU_KV_SPACE_ENV, CPU_KV_SPACE_GIB = "VLLM_CPU_KVCACHE_SPACE", "2"
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+#: instead of --enforce-eager with pipeline parallelism on the CPU (see defaults())
+PP_COMPILATION = {"mode": 3, "backend": "eager"}
 #: flags that, given, mean the user chose the KV size / compilation themselves
 KV_SIZE_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
 COMPILE_FLAGS = ("--enforce-eager", "--no-enforce-eager", "-O", "--compilation-config", "-cc")
@@ -168,6 +178,32 @@ def _model_arg(argv: list[str]) -> str | None:
     return model
 
 
+def _int_flag(argv: list[str], *names: str) -> int:
+    """The value of an integer flag in any spelling (``-tp 3``, ``--tensor-parallel-size=3``,
+    ``--tensor_parallel_size 3``); 1 when absent."""
+    value = None
+    for i, a in enumerate(argv):
+        head = _norm(a) if a.startswith("--") else a.split("=", 1)[0]
+        if head in names:
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else None)
+    try:
+        return int(value) if value is not None else 1
+    except ValueError:
+        return 1  # vLLM reports the bad value itself
+
+
+def cpu_bind_list(ranks: int, cpus: list[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` workers on these CPUs: each rank its own
+    share, round-robin when there are fewer CPUs than ranks (``0|1|0`` for 3 ranks on 2)."""
+    cpus = sorted(cpus)
+    if ranks <= len(cpus):
+        per = len(cpus) // ranks
+        shares = [cpus[r * per:(r + 1) * per] for r in range(ranks)]
+    else:
+        shares = [[cpus[r % len(cpus)]] for r in range(ranks)]
+    return "|".join(",".join(str(c) for c in share) for share in shares)
+
+
 def defaults(argv: list[str], environ: dict[str, str] | None = None,
              cpu: bool | None = None) -> tuple[list[str], dict[str, str]]:
     """The flags and environment variables the launcher adds to ``argv`` (module docstring)."""
@@ -186,13 +222,33 @@ def defaults(argv: list[str], environ: dict[str, str] | None = None,
             and os.path.realpath(model) == os.path.realpath(embedded):
         add += ["--served-model-name", MODEL_NAME, model]
     if cpu:
+        pp = _int_flag(argv, "--pipeline-parallel-size", "-pp")
+        ranks = pp * _int_flag(argv, "--tensor-parallel-size", "-tp")
+        if pp > 1 and "--enforce-eager" in given and not any(a.startswith("--no-enforce-eager")
+                                                             for a in argv):
+            raise SystemExit(
+                "python -m serving: --enforce-eager with --pipeline-parallel-size > 1 on vLLM's CPU "
+                "build fails at the first request (its runner sets up the tensors a later stage "
+                "receives only in the warm-up pass that eager mode skips). Leave --enforce-eager out: "
+                f"the launcher then passes --compilation-config '{json.dumps(PP_COMPILATION)}' "
+                "(graph capture run by the eager backend, no inductor).")
         for flag, values in CPU_DEFAULTS.items():
             if flag == "--enforce-eager" and given & set(COMPILE_FLAGS):
+                continue
+            if flag == "--enforce-eager" and pp > 1:
+                # vLLM's CPU runner allocates the buffers a later pipeline stage receives
+                # into only in its warm-up pass, which eager mode skips: trace the model
+                # (torch.compile's graph capture, run by the eager backend: no inductor)
+                add += ["--compilation-config", json.dumps(PP_COMPILATION)]
                 continue
             if flag not in given:
                 add += [flag, *values]
         if not environ.get(CPU_KV_SPACE_ENV) and not given & set(KV_SIZE_FLAGS):
             env[CPU_KV_SPACE_ENV] = CPU_KV_SPACE_GIB
+        if ranks > 1 and not environ.get(CPU_BIND_ENV):
+            # vLLM's automatic binding gives each rank a NUMA node of its own and refuses
+            # more ranks than nodes ("Not enough allowed NUMA nodes to bind threads")
+            env[CPU_BIND_ENV] = cpu_bind_list(ranks, sorted(os.sched_getaffinity(0)))
     return add, env
 
 
