@@ -32,7 +32,8 @@ from pathlib import Path
 
 from bench.plotting import pyplot, save
 from bench.quality import BITS_AT_TOKENS
-from bench.vllm_engine import NATIVE_DTYPES, ServerRefused, VllmEngine, VllmServer
+from bench.server import Server, ServerRefused, measurement_server
+from bench.vllm_engine import NATIVE_DTYPES, VllmEngine
 
 TARGET_FACTOR = 0.9
 REFERENCE = "bfloat16"
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _row(dtype: str, model: str, srv: VllmServer | None, err: Exception | None) -> dict:
+def _row(dtype: str, model: str, srv: Server | None, err: Exception | None) -> dict:
     try:
         eng = VllmEngine(model, dtype)
         bits, bits_at_8k = eng.effective_bits(), eng.effective_bits_at(BITS_AT_TOKENS)
@@ -93,8 +94,8 @@ def measure(dtypes: Sequence[str], model: str, kv_space_gib: int, max_model_len:
                 except ValueError as e:
                     rows[d] = _row(d, model, None, e)
                     continue
-                servers[d] = VllmServer(model, d, chunk=chunk, max_model_len=max_model_len,
-                                        kv_space_gib=kv_space_gib, max_num_seqs=4).launch()
+                servers[d] = measurement_server(model, d, chunk=chunk, max_model_len=max_model_len,
+                                                kv_space_gib=kv_space_gib, max_num_seqs=4).launch()
             for d, s in servers.items():
                 try:
                     s.wait_ready()
@@ -176,13 +177,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     t0 = time.time()
     rows = measure(names, args.model, args.kv_space_gib, args.max_model_len, args.chunk, args.parallel,
                    log=lambda s: print(s, file=sys.stderr, flush=True))
-    probe = VllmServer(args.model, "<dtype>", chunk=args.chunk, max_model_len=args.max_model_len,
-                       kv_space_gib=args.kv_space_gib, max_num_seqs=4)
+    probe = measurement_server(args.model, "<dtype>", chunk=args.chunk, max_model_len=args.max_model_len,
+                               kv_space_gib=args.kv_space_gib, max_num_seqs=4)
     result = dict(
         command="python -m bench.capacity " + shlex.join(argv),
         # the model by its served name: results name no path of the machine that made them
         server_command=f"VLLM_CPU_KVCACHE_SPACE={args.kv_space_gib} "
-        + shlex.join(probe.command(0)).replace(str(args.model), Path(args.model).name)
+        + shlex.join(probe.command()).replace(str(args.model), Path(args.model).name)
         .replace(sys.executable, "python"),
         model=Path(args.model).name, kv_space_gib=args.kv_space_gib, max_model_len=args.max_model_len,
         native_dtypes=sorted(NATIVE_DTYPES), target_factor=TARGET_FACTOR,

@@ -5,7 +5,7 @@
         --prompt-tokens 1536 --output-tokens 128 --rounds 2
 
 Each KV dtype gets the real server (``python -m serving``, started through
-:class:`bench.vllm_engine.VllmServer`: vLLM's OpenAI server with the plugin,
+:func:`bench.server.measurement_server`: vLLM's OpenAI server with the plugin,
 ``--enforce-eager``, prefix caching off, ``--max-num-seqs`` = the batch).
 ``batch`` requests with distinct prompts of ``prompt_tokens`` tokens (cut from
 the Lee corpus) are sent at once, streaming, each generating exactly
@@ -35,7 +35,8 @@ from pathlib import Path
 
 from bench import portable
 from bench.plotting import pyplot, save
-from bench.vllm_engine import VllmServer, model_geometry
+from bench.server import Server, measurement_server
+from bench.vllm_engine import model_geometry
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -52,7 +53,7 @@ def prompts(model_dir: str, batch: int, n: int) -> list[list[int]]:
     return [ids[i * n:(i + 1) * n] for i in range(batch)]
 
 
-def stream_times(server: VllmServer, prompt: list[int], max_tokens: int) -> list[float]:
+def stream_times(server: Server, prompt: list[int], max_tokens: int) -> list[float]:
     """Arrival time of every generated token of one streamed completion."""
     body = {"model": server.model_name, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
@@ -78,7 +79,7 @@ def stream_times(server: VllmServer, prompt: list[int], max_tokens: int) -> list
     return times
 
 
-def one_round(server: VllmServer, batch_prompts: list[list[int]], output_tokens: int) -> dict:
+def one_round(server: Server, batch_prompts: list[list[int]], output_tokens: int) -> dict:
     results: list[list[float] | BaseException] = [None] * len(batch_prompts)  # type: ignore
 
     def run(i: int) -> None:
@@ -114,10 +115,9 @@ def measure(args) -> dict:
     rounds = []
     for r in range(args.rounds):
         for dtype in args.dtypes:
-            server = VllmServer(model_dir, dtype, chunk=args.chunk, max_model_len=max_len,
-                                kv_space_gib=args.kv_space_gib, max_num_seqs=args.batch,
-                                log_path=args.log_dir / f"decode_{dtype}_{r}.log"
-                                if args.log_dir else None)
+            log = args.log_dir / f"decode_{dtype}_{r}.log" if args.log_dir else None
+            server = measurement_server(model_dir, dtype, chunk=args.chunk, max_model_len=max_len,
+                                        kv_space_gib=args.kv_space_gib, max_num_seqs=args.batch, log=log)
             with server:
                 load = os.getloadavg()[0]
                 res = one_round(server, batch_prompts, args.output_tokens)

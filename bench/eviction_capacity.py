@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import threading
 import time
@@ -113,14 +114,13 @@ def computed(args, geo_model: dict) -> list[dict]:
 
 
 def _poll(srv, stop: threading.Event, seen: dict) -> None:
-    import re
+    from bench.server import metric_value, metrics_text
+
     while not stop.is_set():
         try:
-            _, data = srv._request("GET", "/metrics")
-            text = data.decode()
-            m = re.search(r"^vllm:num_requests_running(?:\{[^}]*\})? ([0-9.]+)$", text, re.M)
-            if m:
-                seen["max_running"] = max(seen.get("max_running", 0), int(float(m.group(1))))
+            running = metric_value(metrics_text(srv.port), "vllm:num_requests_running")
+            if running is not None:
+                seen["max_running"] = max(seen.get("max_running", 0), int(running))
         except OSError:
             pass
         stop.wait(0.25)
@@ -130,14 +130,14 @@ def measure(args, model: str, eviction: dict | None) -> dict:
     from transformers import AutoTokenizer
 
     from bench.quality import passkey_prompt
-    from bench.vllm_engine import VllmServer
+    from bench.server import measurement_server, metric_value, metrics_text
 
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [passkey_prompt(tok, args.measure_prompt, 0.5, 10000 + i) for i in range(args.requests)]
-    srv = VllmServer(model, args.measure_dtype, chunk=512,
-                     max_model_len=args.measure_prompt + args.measure_gen + 128, max_num_seqs=16,
-                     additional_config=eviction,
-                     extra_args=["--num-gpu-blocks-override", str(args.measure_blocks)])
+    srv = measurement_server(model, args.measure_dtype, chunk=512,
+                             max_model_len=args.measure_prompt + args.measure_gen + 128, max_num_seqs=16,
+                             additional_config=eviction,
+                             extra_args=["--num-gpu-blocks-override", str(args.measure_blocks)])
     seen: dict = {}
     with srv:
         stop = threading.Event()
@@ -157,15 +157,13 @@ def measure(args, model: str, eviction: dict | None) -> dict:
         wall = time.time() - t0
         stop.set()
         poller.join()
-        import re
-        _, data = srv._request("GET", "/metrics")
-        m = re.search(r"^vllm:num_preemptions_total(?:\{[^}]*\})? ([0-9.]+)$", data.decode(), re.M)
+        preemptions = metric_value(metrics_text(srv.port), "vllm:num_preemptions_total")
         freed = [int(x) for x in re.findall(r"freed (\d+) blocks", srv.log_text())]
     return dict(eviction=eviction, blocks=args.measure_blocks, requests=len(prompts),
                 prompt_tokens=[len(p) for p in prompts], gen_tokens=args.measure_gen,
-                max_running=seen.get("max_running"), preemptions=float(m.group(1)) if m else None,
+                max_running=seen.get("max_running"), preemptions=preemptions,
                 wall_s=round(wall, 1), answers_complete=all(o and len(o) == args.measure_gen for o in outs),
-                freed_blocks_per_request=freed, server_command=portable.command(srv.command(0), [model]))
+                freed_blocks_per_request=freed, server_command=portable.command(srv.command(), [model]))
 
 
 def plot(result: dict, path: str) -> None:

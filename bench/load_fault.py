@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import portable
-from bench.vllm_engine import metric_value, percentiles
+from bench.server import measurement_server, percentiles, request, wait_idle
 
 #: kind -> (weight in the random draw, HTTP statuses it may get; None = we hung up first)
 KINDS: dict[str, tuple[float, frozenset]] = {
@@ -75,7 +75,6 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SERVER_ARGS = dict(kv_cache_dtype="vidkv", chunk=256, max_model_len=2048, max_num_seqs=16,
                    num_blocks=48, kv_space_gib=1)
 REQUEST_TIMEOUT_S = 600.0
-STAGING_LOG = re.compile(r"freed \d+ staging slots of ended requests \((\d+) in use\)")
 
 
 @dataclass
@@ -205,52 +204,6 @@ class Client:
 
 
 # --------------------------------------------------------------------------- the run
-def _get(port: int, path: str, timeout: float = 30) -> tuple[int, bytes]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        c.request("GET", path)
-        r = c.getresponse()
-        return r.status, r.read()
-    finally:
-        c.close()
-
-
-def _metric(text: str, name: str) -> float:
-    value = metric_value(text, name)
-    if value is None:
-        raise RuntimeError(f"metric {name} missing from /metrics")
-    return value
-
-
-def idle_state(port: int, log_path: str | Path | None = None) -> dict[str, Any]:
-    """What must return to idle: vLLM's KV usage and queues, our staging slots."""
-    status, data = _get(port, "/metrics")
-    text = data.decode(errors="replace")
-    out: dict[str, Any] = dict(kv_cache_usage=_metric(text, "vllm:kv_cache_usage_perc"),
-                               running=_metric(text, "vllm:num_requests_running"),
-                               waiting=_metric(text, "vllm:num_requests_waiting"))
-    status, data = _get(port, "/v1/kv_cache/stats")
-    if status == 200:
-        stats = json.loads(data)
-        out["blocks_used"] = stats["blocks"]["used"]
-        out["staging_in_use"] = (stats["staging"] or {}).get("slots_in_use")
-    if log_path is not None:
-        staged = STAGING_LOG.findall(Path(log_path).read_text(errors="replace"))
-        out["staging_in_use_log"] = int(staged[-1]) if staged else None
-    return out
-
-
-def wait_idle(port: int, log_path=None, timeout: float = 120) -> tuple[bool, dict, float]:
-    t0 = time.time()
-    while True:
-        state = idle_state(port, log_path)
-        if not any(v for v in state.values() if v is not None):
-            return True, state, round(time.time() - t0, 1)
-        if time.time() - t0 > timeout:
-            return False, state, round(time.time() - t0, 1)
-        time.sleep(1)
-
-
 def run_load(port: int, *, clients: int, duration: float, max_requests: int = 10_000,
              grace: float = 60.0, seed: int = 0, log_path: str | Path | None = None,
              text: str | None = None) -> dict[str, Any]:
@@ -258,7 +211,7 @@ def run_load(port: int, *, clients: int, duration: float, max_requests: int = 10
     if text is None:
         from vllm_lowbit_kv.corpus import default_text
         text = default_text()
-    models = json.loads(_get(port, "/v1/models")[1])["data"][0]
+    models = json.loads(request(port, "GET", "/v1/models", timeout=30)[1])["data"][0]
     model, max_model_len = models["id"], int(models.get("max_model_len") or 2048)
     t0 = time.time()
     deadline, hard_deadline = t0 + duration, t0 + duration + grace
@@ -293,7 +246,7 @@ def run_load(port: int, *, clients: int, duration: float, max_requests: int = 10
         th.join(max(0.0, hard_deadline + REQUEST_TIMEOUT_S - time.time()))
     load_s = round(time.time() - t0, 1)
 
-    health = _get(port, "/health")[0]
+    health = request(port, "GET", "/health", timeout=30)[0]
     idle, state, idle_after_s = wait_idle(port, log_path)
     final = None
     try:
@@ -365,19 +318,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     server_command = None
     try:
         if args.port is None:
-            from bench.vllm_engine import VllmServer
             from vllm_lowbit_kv.model import prepare_model
 
-            a = SERVER_ARGS
-            server = VllmServer(prepare_model(), a["kv_cache_dtype"], chunk=a["chunk"],
-                                max_model_len=a["max_model_len"], max_num_seqs=a["max_num_seqs"],
-                                kv_space_gib=a["kv_space_gib"], prefix_caching=True,
-                                extra_args=["--num-gpu-blocks-override", str(a["num_blocks"])],
-                                env={"LOWBIT_KV_LOG_STAGING": "1"})
+            a, model = SERVER_ARGS, prepare_model()
+            server = measurement_server(model, a["kv_cache_dtype"], chunk=a["chunk"],
+                                        max_model_len=a["max_model_len"], max_num_seqs=a["max_num_seqs"],
+                                        kv_space_gib=a["kv_space_gib"], prefix_caching=True,
+                                        extra_args=["--num-gpu-blocks-override", str(a["num_blocks"])],
+                                        env={"LOWBIT_KV_LOG_STAGING": "1"})
             server.start()
-            port, log_path = server.port, server.log_path
+            port, log_path = server.port, server.log
             server_command = f"VLLM_CPU_KVCACHE_SPACE={a['kv_space_gib']} LOWBIT_KV_LOG_STAGING=1 " \
-                             + portable.command(server.command(port), [server.model_dir])
+                             + portable.command(server.command(), [model])
         else:
             port, log_path = args.port, args.server_log
         print(f"load: {args.clients} clients for {args.duration:.0f} s against 127.0.0.1:{port}",

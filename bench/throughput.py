@@ -5,7 +5,7 @@
     python -m bench.throughput --dtypes vidkv --rates 0.05,inf --requests 12
 
 One server at a time (``python -m serving --kv-cache-dtype X --enforce-eager
---no-enable-prefix-caching``, :class:`bench.vllm_engine.VllmServer`), each with
+--no-enable-prefix-caching``, :func:`bench.server.measurement_server`), each with
 the same KV memory budget, ``--kv-cache-memory-bytes`` (the field
 ``VLLM_CPU_KVCACHE_SPACE`` fills, in bytes rather than whole GiB: 1 GiB holds
 46,592 bfloat16 tokens of SmolLM2, which would take ~20 concurrent long
@@ -54,7 +54,8 @@ from typing import Any
 
 from bench import portable
 from bench.plotting import pyplot, save
-from bench.vllm_engine import ServerRefused, VllmServer, metric_value, percentiles
+from bench.server import (STATS_ROUTE, Server, ServerRefused, measurement_server, metric_value, metrics_text,
+                          percentiles)
 
 REFERENCE = "bfloat16"
 DEFAULT_DTYPES = "bfloat16,fp8,vidkv,kivi2,quantile1"
@@ -154,12 +155,7 @@ class MetricsPoller(threading.Thread):
         self.port, self.samples, self.stop_flag = port, [], threading.Event()
 
     def read(self) -> dict[str, float]:
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        try:
-            c.request("GET", "/metrics")
-            text = c.getresponse().read().decode(errors="replace")
-        finally:
-            c.close()
+        text = metrics_text(self.port)
         return {name: metric_value(text, f"vllm:{name}") or 0.0
                 for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                              "num_preemptions_total")}
@@ -173,7 +169,7 @@ class MetricsPoller(threading.Thread):
             self.stop_flag.wait(POLL_S)
 
 
-def run_rate(server: VllmServer, prompts: list[list[int]], output_tokens: int, rate: float,
+def run_rate(server: Server, prompts: list[list[int]], output_tokens: int, rate: float,
              seed: int) -> dict[str, Any]:
     poller = MetricsPoller(server.port)
     before = poller.read()
@@ -246,8 +242,8 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]:
-    server = VllmServer(args.model, dtype, chunk=args.chunk, max_model_len=args.max_model_len,
-                        max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB))
+    server = measurement_server(args.model, dtype, chunk=args.chunk, max_model_len=args.max_model_len,
+                                max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB))
     # the machine may be shared: its load during the measurement is part of the result
     row: dict[str, Any] = dict(dtype=dtype, status="ok", reason=None,
                                loadavg_start=[round(x, 2) for x in os.getloadavg()])
@@ -258,7 +254,7 @@ def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]
         return row
     try:
         info = server.cache_info()
-        stats = server.get("/v1/kv_cache/stats")
+        stats = server.get(STATS_ROUTE)
         row.update(capacity_tokens=info.get("capacity_tokens"), num_blocks=info.get("num_blocks"),
                    effective_bits=stats["effective_bits"]["overall"],
                    allocated_bits=stats["effective_bits"]["allocated"],
@@ -344,13 +340,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     prompts = make_workload(args.model, args.requests, lo, hi, args.seed)
     t0 = time.time()
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
-    probe = VllmServer(args.model, "<dtype>", chunk=args.chunk, max_model_len=args.max_model_len,
-                       max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB))
+    probe = measurement_server(args.model, "<dtype>", chunk=args.chunk, max_model_len=args.max_model_len,
+                               max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB))
     rows: list[dict] = []
     result = dict(
         command=portable.command(["python", "-m", "bench.throughput", *argv], [args.model]),
         server_command="env -u VLLM_CPU_KVCACHE_SPACE "
-        + portable.command(probe.command(0), [args.model]),
+        + portable.command(probe.command(), [args.model]),
         model=portable.model_name(args.model), kv_cache_bytes=int(args.kv_cache_mib * MIB),
         requests=args.requests,
         prompt_tokens=[lo, hi], prompt_tokens_total=sum(len(p) for p in prompts),

@@ -2,17 +2,11 @@
 
     python -m bench.quality --engine vllm --kv-cache-dtype fp8,kivi2,vidkv
 
-Each KV dtype gets one ``python -m serving`` process (our launcher: vLLM's
-OpenAI-compatible server with the lowbit-kv plugin), started on first use and
-again for each new chunk size (see :meth:`VllmEngine.server_for`)::
-
-    python -m serving --model DIR --kv-cache-dtype X --host 127.0.0.1 --port P
-        --enforce-eager --max-num-batched-tokens C --max-model-len L
-        --max-num-seqs 4 --no-enable-prefix-caching
-        [--additional-config '{"lowbit_kv": {...}}']     # only for scheme overrides
-
-with ``VLLM_CPU_KVCACHE_SPACE`` (GiB) set (default 1 unless already set).
-``max_num_batched_tokens = C`` is the chunk: vLLM's chunked prefill then feeds a
+Each KV dtype gets one server of the benchmarks' harness
+(:func:`bench.server.measurement_server`: ``python -m serving --kv-cache-dtype X``,
+scheme overrides as ``--additional-config '{"lowbit_kv": {...}}'``), started on
+first use and again for each new chunk size (see :meth:`VllmEngine.server_for`).
+The chunk is vLLM's ``--max-num-batched-tokens``: its chunked prefill then feeds a
 long prompt C tokens per step, so every token after the first chunk attends to
 the cached (quantized) KV, as the HF engine's chunked prefill does. Prefix
 caching is off so that every request starts from an empty cache (a prefix hit
@@ -38,314 +32,24 @@ What goes over HTTP (``/v1/completions``, prompts as token-id lists):
 Dtypes: ``bfloat16`` (the reference; vLLM's own CPU attention), ``fp8`` (vLLM's
 own quantized cache) and every scheme of :mod:`vllm_lowbit_kv.schemes` the
 backend agrees to serve. A server that refuses to start raises
-:class:`ServerRefused` with the reason from its log.
+:class:`bench.server.ServerRefused` with the reason from its log.
 """
 
 from __future__ import annotations
 
-import atexit
-import http.client
 import json
-import math
 import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from bench.quality import Engine
+from bench.server import Server, measurement_server, stop_all
 
-ROOT = Path(__file__).resolve().parents[1]
 #: vLLM's own KV dtypes this engine runs (besides our schemes); bits per element.
 #: Other stock dtypes are refused: vLLM 0.32's turboquant_* and int4_per_token_head
 #: are silently broken on the CPU build (DESIGN.md).
 NATIVE_DTYPES = {"bfloat16": 16.0, "auto": 16.0, "fp8": 8.0}
-DEFAULT_KV_SPACE_GIB = 1
-STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_ENGINE_STARTUP_TIMEOUT", "600"))
-REQUEST_TIMEOUT_S = 3600.0
-
-
-class ServerRefused(RuntimeError):
-    """The server exited (or never became ready) at start-up; ``reason`` says why."""
-
-    def __init__(self, kv_cache_dtype: str, reason: str, log: str):
-        super().__init__(f"vLLM server for --kv-cache-dtype {kv_cache_dtype} did not start: {reason}")
-        self.kv_cache_dtype, self.reason, self.log = kv_cache_dtype, reason, log
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _refusal_reason(log: str) -> str:
-    """The most telling line of a failed start-up log."""
-    for pat in (r"(--kv-cache-dtype \S+ cannot serve[^\n]*)", r"(invalid choice:[^\n]*)",
-                r"((?:ValueError|TypeError|RuntimeError|ValidationError|AssertionError)[^\n]*)",
-                r"(error:[^\n]*)"):
-        hits = re.findall(pat, log)
-        if hits:
-            return hits[-1].strip()
-    lines = [ln for ln in log.splitlines() if ln.strip()]
-    return lines[-1].strip() if lines else "no output"
-
-
-class VllmServer:
-    """One ``python -m serving`` process on 127.0.0.1 and a tiny HTTP client for it."""
-
-    def __init__(self, model_dir: str | Path, kv_cache_dtype: str, *, chunk: int, max_model_len: int,
-                 kv_space_gib: int | None = None, additional_config: dict | None = None,
-                 max_num_seqs: int = 4, extra_args: Sequence[str] = (), log_path: str | Path | None = None,
-                 prefix_caching: bool = False, env: dict[str, str] | None = None,
-                 kv_cache_bytes: int | None = None):
-        self.model_dir, self.kv_cache_dtype = str(model_dir), kv_cache_dtype
-        self.chunk, self.max_model_len = int(chunk), int(max_model_len)
-        self.kv_space_gib = kv_space_gib
-        self.additional_config = additional_config or None
-        self.max_num_seqs, self.extra_args = max_num_seqs, list(extra_args)
-        self.log_path = Path(log_path) if log_path else None
-        self.prefix_caching, self.extra_env = prefix_caching, dict(env or {})
-        #: exact KV budget (vLLM's --kv-cache-memory-bytes) instead of whole GiB
-        self.kv_cache_bytes = kv_cache_bytes
-        self.proc: subprocess.Popen | None = None
-        self.port: int | None = None
-        self.model_name: str | None = None
-        self.startup_s: float | None = None
-
-    # ------------------------------------------------------------------ lifecycle
-    def command(self, port: int) -> list[str]:
-        cmd = [sys.executable, "-m", "serving", "--model", self.model_dir,
-               "--kv-cache-dtype", self.kv_cache_dtype, "--host", "127.0.0.1", "--port", str(port),
-               "--enforce-eager", "--max-num-batched-tokens", str(self.chunk),
-               "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs)]
-        if not self.prefix_caching:
-            cmd.append("--no-enable-prefix-caching")
-        if self.additional_config:
-            cmd += ["--additional-config", json.dumps({"lowbit_kv": self.additional_config})]
-        if self.kv_cache_bytes is not None:
-            cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
-        return cmd + self.extra_args
-
-    def env(self) -> dict[str, str]:
-        env = {**os.environ, **self.extra_env}
-        if self.kv_cache_bytes is not None:
-            env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # set, it would override the flag's bytes
-        elif self.kv_space_gib is not None:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_space_gib)
-        else:
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_KV_SPACE_GIB))
-        # one prefill step of a long chunk can take minutes on a loaded 2-core machine; vLLM's
-        # default (300 s) then kills the engine ("RPC call to execute_model timed out")
-        env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        return env
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace") if self.log_path else ""
-        except FileNotFoundError:
-            return ""
-
-    def launch(self) -> "VllmServer":
-        """Start the process; :meth:`wait_ready` waits for it (so several can boot at once)."""
-        if self.alive:
-            return self
-        if self.log_path is None:
-            fd, name = tempfile.mkstemp(prefix=f"vllm_{self.kv_cache_dtype}_", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
-        self.port = _free_port()
-        self._t0 = time.time()
-        self.model_name = None
-        with open(self.log_path, "w") as f:
-            self.proc = subprocess.Popen(self.command(self.port), cwd=ROOT, env=self.env(), stdout=f,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
-        _LIVE.add(self)
-        _exit_on_sigterm()
-        return self
-
-    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> "VllmServer":
-        """Block until the server answers; :class:`ServerRefused` (server stopped) if it cannot."""
-        if self.model_name is not None and self.alive:
-            return self
-        if self.proc is None:
-            raise RuntimeError("launch() first")
-        try:
-            while "Application startup complete" not in self.log_text():
-                if self.proc.poll() is not None:
-                    log = self.log_text()
-                    raise ServerRefused(self.kv_cache_dtype, _refusal_reason(log), log)
-                if time.time() - self._t0 > timeout:
-                    log = self.log_text()
-                    raise ServerRefused(self.kv_cache_dtype, f"not ready after {timeout:.0f} s", log)
-                time.sleep(0.5)
-            self.model_name = self.get("/v1/models")["data"][0]["id"]
-        except BaseException:
-            self.stop()
-            raise
-        self.startup_s = round(time.time() - self._t0, 1)
-        return self
-
-    def start(self, timeout: float = STARTUP_TIMEOUT_S) -> "VllmServer":
-        return self.launch().wait_ready(timeout)
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        _LIVE.discard(self)
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        except ProcessLookupError:
-            pass
-
-    def __enter__(self) -> "VllmServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    # ------------------------------------------------------------------ HTTP
-    def _request(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT_S)
-        try:
-            if body is None:
-                c.request(method, path)
-            else:
-                c.request(method, path, json.dumps(body), {"Content-Type": "application/json"})
-            r = c.getresponse()
-            return r.status, r.read()
-        finally:
-            c.close()
-
-    def get(self, path: str) -> Any:
-        status, data = self._request("GET", path)
-        if status != 200:
-            raise RuntimeError(f"GET {path}: HTTP {status}: {data[:2000]!r}")
-        return json.loads(data)
-
-    def post(self, path: str, body: dict) -> dict:
-        status, data = self._request("POST", path, body)
-        if status != 200:
-            raise RuntimeError(f"POST {path}: HTTP {status}: {data[:2000]!r}")
-        return json.loads(data)
-
-    def completion(self, **body: Any) -> dict:
-        return self.post("/v1/completions", {"model": self.model_name, **body})["choices"][0]
-
-    # ------------------------------------------------------------------ numbers
-    def prompt_logprobs(self, ids: Sequence[int]) -> torch.Tensor:
-        """float32 [len(ids) - 1]: log p(ids[i+1] | ids[:i+1]) from one prefill of ``ids``."""
-        ids = [int(i) for i in ids]
-        ch = self.completion(prompt=ids, max_tokens=1, temperature=0, prompt_logprobs=0)
-        plp = ch["prompt_logprobs"]
-        if plp is None or len(plp) != len(ids):
-            raise RuntimeError(f"expected {len(ids)} prompt_logprobs entries, got "
-                               f"{None if plp is None else len(plp)}")
-        out = []
-        for i, entry in enumerate(plp[1:], start=1):
-            lp = (entry or {}).get(str(ids[i]))
-            if lp is None:
-                raise RuntimeError(f"prompt_logprobs[{i}] lacks the prompt token {ids[i]}: {entry}")
-            out.append(lp["logprob"])
-        return torch.tensor(out, dtype=torch.float32)
-
-    def greedy(self, ids: Sequence[int], n: int) -> list[int]:
-        ch = self.completion(prompt=[int(i) for i in ids], max_tokens=int(n), temperature=0,
-                             ignore_eos=True, return_token_ids=True)
-        return [int(t) for t in ch["token_ids"]]
-
-    def served_bits(self) -> dict[str, float] | None:
-        """The backend's own start-up account of bits per element, if it logged one.
-
-        ``groups``: the codec groups; ``pages``: with whatever else a page holds
-        (sink area, STP masks); ``overall``: over all layers, bf16-skipped ones included.
-        """
-        m = re.search(r"Effective bits/element: groups ([\d.]+).*?pages ([\d.]+)[^,;]*, "
-                      r"([\d.]+) over all", self.log_text())
-        if not m:
-            return None
-        return dict(groups=float(m.group(1)), pages=float(m.group(2)), overall=float(m.group(3)))
-
-    def attention_impls(self) -> list[str]:
-        """The packed-attention implementations the backend logged choosing (``cpp``,
-        ``torch``, ...; empty for vLLM's own dtypes)."""
-        return sorted(set(re.findall(r"packed attention implementation: (\w+)", self.log_text())))
-
-    def cache_info(self) -> dict[str, Any]:
-        """vLLM's resolved KV cache: tokens, bytes, blocks (from /metrics, else the log)."""
-        info: dict[str, Any] = {}
-        status, data = self._request("GET", "/metrics")
-        if status == 200:
-            m = re.search(r"^vllm:cache_config_info\{([^}]*)\}", data.decode(errors="replace"), re.M)
-            if m:
-                labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-                for key, out in (("kv_cache_size_tokens", "capacity_tokens"),
-                                 ("kv_cache_memory_bytes", "kv_cache_memory_bytes"),
-                                 ("num_gpu_blocks", "num_blocks"), ("block_size", "block_size")):
-                    if labels.get(key, "None") not in ("None", ""):
-                        info[out] = int(labels[key])
-                info["cache_dtype"] = labels.get("cache_dtype")
-                info["source"] = "/metrics vllm:cache_config_info"
-        if "capacity_tokens" not in info:
-            m = re.search(r"KV cache size: ([\d,]+) tokens", self.log_text())
-            if m:
-                info["capacity_tokens"] = int(m.group(1).replace(",", ""))
-                info["source"] = "start-up log"
-        return info
-
-
-def metric_value(text: str, name: str) -> float | None:
-    """The first sample of the Prometheus metric ``name`` in a ``/metrics`` text (None: absent)."""
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else None
-
-
-def percentiles(xs: Sequence[float]) -> dict[str, float] | None:
-    """Nearest-rank p50, p90, p99 and the mean (None for no data)."""
-    if not xs:
-        return None
-    xs = sorted(xs)
-    at = lambda q: xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]  # noqa: E731
-    return dict(p50=round(at(0.5), 4), p90=round(at(0.9), 4), p99=round(at(0.99), 4),
-                mean=round(sum(xs) / len(xs), 4))
-
-
-#: servers started by this process (stopped at exit; one alive at a time via VllmEngine)
-_LIVE: set[VllmServer] = set()
-
-
-@atexit.register
-def _stop_all() -> None:
-    for s in list(_LIVE):
-        s.stop()
-
-
-def _exit_on_sigterm() -> None:
-    """Make SIGTERM raise SystemExit (so atexit stops our servers, which run in their own
-    sessions), unless the program already handles SIGTERM."""
-    import threading
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def model_geometry(model_dir: str | Path) -> dict[str, int]:
@@ -421,13 +125,13 @@ class VllmEngine(Engine):
                                       recent_window=eviction.recent_window)
         if eviction is not None and self.eviction_refusal():
             raise ValueError(f"--kv-eviction: {self.eviction_refusal()}")
-        self.server: VllmServer | None = None
-        self._servers: dict[int, VllmServer] = {}
+        self.server: Server | None = None
+        self._servers: dict[int, Server] = {}
         self._main_chunk: int | None = None  # the first chunk asked for (the yardstick's --chunk)
         self._last_tokens: int | None = None
 
     # ------------------------------------------------------------------ server
-    def server_for(self, chunk: int) -> VllmServer:
+    def server_for(self, chunk: int) -> Server:
         """The running server for this dtype and ``chunk`` (``max_num_batched_tokens``).
 
         A chunk is a server setting, so a new chunk means a new server. This engine
@@ -437,7 +141,8 @@ class VllmEngine(Engine):
         engines included (one dtype at a time: vLLM on
         CPU takes the cores, and the yardstick never goes back to a finished dtype).
         """
-        if self.server is not None and self.server.alive and self.server.chunk == chunk:
+        if self.server is not None and self.server.alive and \
+                self.server.arg("--max-num-batched-tokens") == str(chunk):
             return self.server
         cached = self._servers.get(chunk)
         if cached is not None and cached.alive:
@@ -445,14 +150,11 @@ class VllmEngine(Engine):
             return cached
         if self._main_chunk is None:
             self._main_chunk = chunk
-        main = self._servers.get(self._main_chunk)
-        for s in list(_LIVE):  # keep this engine's main-chunk server only, then start the new one
-            if s is not main:
-                s.stop()
+        stop_all(keep=self._servers.get(self._main_chunk))  # one dtype at a time
         self._servers = {c: s for c, s in self._servers.items() if s.alive}
-        new = VllmServer(self.model_dir, self.kv_cache_dtype, chunk=chunk,
-                         max_model_len=self.max_positions, kv_space_gib=self.kv_space_gib,
-                         additional_config=self.overrides, extra_args=self.extra_args)
+        new = measurement_server(self.model_dir, self.kv_cache_dtype, chunk=chunk,
+                                 max_model_len=self.max_positions, kv_space_gib=self.kv_space_gib,
+                                 additional_config=self.overrides, extra_args=self.extra_args)
         new.start()
         self._servers[chunk] = self.server = new
         return new

@@ -34,4 +34,3 @@ def test_short_load_and_fault_run(server):
     assert s["log_errors"] == []
     assert s["passed"]
     assert len(KINDS) <= 16  # every kind was some client's first request
-    wait_idle(server)  # the shared helper agrees: blocks, staging slots (route and log), queues

@@ -390,13 +390,13 @@ def test_vllm_serves_rvq_like_the_reference(tiny_codebook, model_dir):
 
     from vllm_lowbit_kv.corpus import default_text
     from bench.quality import HFEngine
-    from bench.vllm_engine import VllmServer
+    from bench.server import measurement_server
 
     C, N = 64, 384
     ids = AutoTokenizer.from_pretrained(model_dir)(default_text()).input_ids[:N]
     params = {"codebook": str(tiny_codebook)}
-    server = VllmServer(model_dir, "rvq4x256", chunk=C, max_model_len=1024, kv_space_gib=1,
-                        max_num_seqs=2, additional_config=params).launch()
+    server = measurement_server(model_dir, "rvq4x256", chunk=C, max_model_len=1024, kv_space_gib=1,
+                                max_num_seqs=2, additional_config=params).launch()
     try:
         hf = HFEngine(model_dir, "rvq4x256", params=params).logprobs_teacher_forced(ids, C)
         bf16 = HFEngine(model_dir, "bfloat16").logprobs_teacher_forced(ids, C)

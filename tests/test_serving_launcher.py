@@ -17,15 +17,14 @@ then ``exec python -m serving "$@"``), besides the session's shared one:
 
 from __future__ import annotations
 
-import http.client
 import json
-import os
 import re
 import time
 
 import pytest
 
-from _servers import ROOT, STATS_ROUTE, Server, free_port, long_prompt
+from _servers import ROOT, STATS_ROUTE, long_prompt
+from bench.server import Server, request
 
 KEY = "lowbit-test-key"
 GiB = 1 << 30
@@ -131,37 +130,29 @@ def test_evicted_pairs_per_compaction():
 
 # ----------------------------------------------------------------------------- servers
 def _request(port, method, path, body=None, key=None):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    c.request(method, path, json.dumps(body) if body is not None else None, headers)
-    r = c.getresponse()
-    data = r.read()
+    auth = {"Authorization": f"Bearer {key}"} if key else None
+    status, data = request(port, method, path, body, headers=auth)
     try:
-        return r.status, json.loads(data)
+        return status, json.loads(data)
     except json.JSONDecodeError:
-        return r.status, data.decode()
+        return status, data.decode()
 
 
-def _main_sh(tmp, name, args, env):
-    port = str(free_port())
-    env = {**env}
-    env.pop("LOWBIT_KV_CONFIG_LOGGED", None)
-    return Server(["bash", "scripts/main.sh", "--port", port, *args], tmp / f"{name}.log", env)
+def _main_sh(tmp, name, args, kv_space_gib):
+    """``bash scripts/main.sh ARGS --port P``; ``kv_space_gib`` None: the launcher's default."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": None if kv_space_gib is None else str(kv_space_gib)}
+    return Server(args, launcher=["bash", "scripts/main.sh"], env=env, log=tmp / f"{name}.log").launch()
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     pytest.importorskip("vllm")
     tmp = tmp_path_factory.mktemp("launcher")
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     started = dict(
-        plain=_main_sh(tmp, "plain", [], env),
+        plain=_main_sh(tmp, "plain", [], kv_space_gib=None),
         evicting=_main_sh(tmp, "evicting", ["--kv-eviction", "flashcache", "--kv-retention", "0.2",
                                             "--block-size", "128", "--max-model-len", "2048",
-                                            "--max-num-seqs", "4", "--api-key", KEY],
-                          {**env, "VLLM_CPU_KVCACHE_SPACE": "1"}))
+                                            "--max-num-seqs", "4", "--api-key", KEY], kv_space_gib=1))
     try:
         for s in started.values():
             s.wait_ready(timeout=400)

@@ -68,14 +68,14 @@ def test_detector_leaves_portable_text(text):
 
 def test_server_command_is_portable():
     """What throughput, decode, eviction_capacity and load_fault record as their server's
-    command (bench.vllm_engine.VllmServer.command) once made portable."""
-    from bench.vllm_engine import VllmServer
+    command (bench.server.Server.command) once made portable."""
+    from bench.server import measurement_server
 
     tmp = tempfile.gettempdir()
-    srv = VllmServer(EMBEDDED, "vidkv", chunk=256, max_model_len=1024,
-                     extra_args=["--lowbit-config", f"{tmp}/run/lowbit.json",
-                                 "--x", str(ROOT / "bench" / "results" / "a.json")])
-    raw = srv.command(8000)
+    srv = measurement_server(EMBEDDED, "vidkv", chunk=256, max_model_len=1024,
+                             extra_args=["--lowbit-config", f"{tmp}/run/lowbit.json",
+                                         "--x", str(ROOT / "bench" / "results" / "a.json")])
+    raw = srv.command()
     assert raw[0] == sys.executable and EMBEDDED in raw
     cmd = portable.command(raw, [EMBEDDED])
     assert cmd.startswith("python -m serving --kv-cache-dtype vidkv"), cmd

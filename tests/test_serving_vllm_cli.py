@@ -20,7 +20,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from _servers import ROOT, STATS_ROUTE, Server, free_port  # noqa: E402
+from _servers import ROOT, STATS_ROUTE  # noqa: E402
+from bench.server import Server  # noqa: E402
 
 VLLM = Path(sys.executable).parent / "vllm"
 
@@ -68,12 +69,10 @@ def vllm_serve(tmp_path_factory):
     if not _ours():
         pytest.fail(f"{VLLM} is not this package's console script: run bash scripts/setup.sh")
     model = str(prepare_model())
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_PLUGINS="lowbit_kv,lowbit_kv_stats")
-    env.pop("LOWBIT_KV_CONFIG_LOGGED", None)
-    log = tmp_path_factory.mktemp("vllm_cli") / "vllm_serve.log"
-    s = Server([str(VLLM), "serve", model, "--kv-cache-dtype", "vidkv", "--host", "127.0.0.1",
-                "--port", str(free_port()), "--enforce-eager", "--max-model-len", "1024",
-                "--max-num-seqs", "4", "--served-model-name", "smol"], log, env)
+    s = Server(["--kv-cache-dtype", "vidkv", "--host", "127.0.0.1", "--enforce-eager", "--max-model-len",
+                "1024", "--max-num-seqs", "4", "--served-model-name", "smol"], launcher=[VLLM, "serve", model],
+               env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "lowbit_kv,lowbit_kv_stats"},
+               log=tmp_path_factory.mktemp("vllm_cli") / "vllm_serve.log").launch()
     try:
         yield s.wait_ready(timeout=400), model
     finally:

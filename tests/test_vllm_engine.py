@@ -1,6 +1,7 @@
-"""bench.vllm_engine: the yardstick's vLLM engine (server command, dtypes, refusals).
+"""bench.vllm_engine: the yardstick's vLLM engine (dtypes, refusals, a server per chunk).
 
-The fast tests need no server; the slow ones start servers that must refuse.
+The fast tests need no server; the slow ones start servers that must refuse (the
+harness itself: test_bench_server.py).
 The numbers through a live server are checked in test_vllm_vs_hf.py.
 """
 
@@ -10,9 +11,10 @@ import json
 
 import pytest
 
+import bench.server as harness
 from bench import quality
-from bench.vllm_engine import (NATIVE_DTYPES, ServerRefused, VllmEngine, VllmServer, _refusal_reason,
-                               model_geometry)
+from bench.server import ServerRefused, measurement_server
+from bench.vllm_engine import NATIVE_DTYPES, VllmEngine, model_geometry
 from vllm_lowbit_kv.schemes import SCHEMES, get_scheme
 
 
@@ -26,30 +28,6 @@ def fake_model(tmp_path):
 
 def test_geometry(fake_model):
     assert model_geometry(fake_model) == dict(layers=30, kv_heads=3, head_dim=64, max_positions=8192)
-
-
-def test_server_command_is_chunked_prefill_without_prefix_cache(fake_model):
-    s = VllmServer(fake_model, "kivi2", chunk=96, max_model_len=1024)
-    cmd = s.command(8123)
-    assert cmd[1:3] == ["-m", "serving"]
-    args = dict(zip(cmd[3::], cmd[4::]))
-    assert args["--kv-cache-dtype"] == "kivi2" and args["--max-num-batched-tokens"] == "96"
-    assert args["--max-model-len"] == "1024" and args["--host"] == "127.0.0.1"
-    assert "--enforce-eager" in cmd and "--no-enable-prefix-caching" in cmd
-    assert "--additional-config" not in cmd
-    s2 = VllmServer(fake_model, "kivi2", chunk=96, max_model_len=1024,
-                    additional_config={"block_tokens": 32})
-    cmd2 = s2.command(8123)
-    assert json.loads(cmd2[cmd2.index("--additional-config") + 1]) == {"lowbit_kv": {"block_tokens": 32}}
-
-
-def test_kv_space_env(fake_model, monkeypatch):
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    assert VllmServer(fake_model, "fp8", chunk=8, max_model_len=64).env()["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
-    assert VllmServer(fake_model, "fp8", chunk=8, max_model_len=64).env()["VLLM_CPU_KVCACHE_SPACE"] == "3"
-    assert VllmServer(fake_model, "fp8", chunk=8, max_model_len=64,
-                      kv_space_gib=2).env()["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
 
 def test_engine_dtypes_and_bits(fake_model):
@@ -81,15 +59,6 @@ def test_engine_refusals(fake_model):
         VllmEngine(fake_model, "kivi2", max_model_len=64).logprobs_teacher_forced(list(range(65)), 8)
 
 
-def test_refusal_reason():
-    log = ("INFO starting\nERROR Traceback\nValueError: --kv-cache-dtype vidkv_stp cannot serve this "
-           "model: scheme needs STP. Refusing to start rather than serve wrong outputs.\nmore\n")
-    assert _refusal_reason(log).startswith("--kv-cache-dtype vidkv_stp cannot serve this model: scheme")
-    assert "invalid choice: 'x'" in _refusal_reason("usage: ...\nerror: argument --kv-cache-dtype: "
-                                                    "invalid choice: 'x' (choose from a, b)\n")
-    assert _refusal_reason("") == "no output"
-
-
 def test_quality_registers_vllm_engine():
     assert "vllm" in quality.ENGINES
     args = quality.build_parser().parse_args(["--engine", "vllm", "--kv-cache-dtype", "fp8,kivi2"])
@@ -119,7 +88,7 @@ def model_dir():
 
 @pytest.mark.slow
 def test_unknown_dtype_refused_at_startup(model_dir):
-    s = VllmServer(model_dir, "kivi3", chunk=64, max_model_len=512)
+    s = measurement_server(model_dir, "kivi3", chunk=64, max_model_len=512)
     with pytest.raises(ServerRefused, match="invalid choice: 'kivi3'") as e:
         s.start(timeout=300)
     assert "kivi2" in e.value.reason and not s.alive
@@ -128,7 +97,7 @@ def test_unknown_dtype_refused_at_startup(model_dir):
 @pytest.mark.slow
 def test_unservable_config_refused_with_reason(model_dir):
     # block size 32 is not a multiple of kivi2's 64-token codec group: the backend refuses
-    s = VllmServer(model_dir, "kivi2", chunk=64, max_model_len=512, extra_args=["--block-size", "32"])
+    s = measurement_server(model_dir, "kivi2", chunk=64, max_model_len=512, extra_args=["--block-size", "32"])
     with pytest.raises(ServerRefused, match="cannot serve") as e:
         s.start(timeout=300)
     assert "block" in e.value.reason and not s.alive
@@ -146,7 +115,7 @@ def test_server_per_chunk_policy(fake_model, monkeypatch):
 
         def start(self):
             self._alive = True
-            ve._LIVE.add(self)
+            harness._LIVE.add(self)
             events.append(("start", self.dtype, self.chunk))
             return self
 
@@ -154,14 +123,17 @@ def test_server_per_chunk_policy(fake_model, monkeypatch):
             if self._alive:
                 events.append(("stop", self.dtype, self.chunk))
             self._alive = False
-            ve._LIVE.discard(self)
+            harness._LIVE.discard(self)
 
         @property
         def alive(self):
             return self._alive
 
-    monkeypatch.setattr(ve, "VllmServer", FakeServer)
-    monkeypatch.setattr(ve, "_LIVE", set())
+        def arg(self, flag):
+            return {"--max-num-batched-tokens": str(self.chunk)}.get(flag)
+
+    monkeypatch.setattr(ve, "measurement_server", FakeServer)
+    monkeypatch.setattr(harness, "_LIVE", set())
     a, b = VllmEngine(fake_model, "bfloat16"), VllmEngine(fake_model, "kivi2")
     for eng, chunk in [(a, 256), (a, 256), (a, 512), (a, 1024), (a, 256), (b, 256)]:
         assert eng.server_for(chunk).chunk == chunk
@@ -169,9 +141,9 @@ def test_server_per_chunk_policy(fake_model, monkeypatch):
                           ("stop", "bfloat16", 512), ("start", "bfloat16", 1024)]  # 256 reused after
     assert sorted(events[4:6]) == [("stop", "bfloat16", 256), ("stop", "bfloat16", 1024)]
     assert events[6:] == [("start", "kivi2", 256)]
-    assert {(s.dtype, s.chunk) for s in ve._LIVE} == {("kivi2", 256)}
+    assert {(s.dtype, s.chunk) for s in harness._LIVE} == {("kivi2", 256)}
     b.close()
-    assert not ve._LIVE
+    assert not harness._LIVE
 
 
 def test_served_bits_from_startup_log(tmp_path, fake_model):
@@ -179,7 +151,7 @@ def test_served_bits_from_startup_log(tmp_path, fake_model):
     log.write_text("INFO lowbit-kv: --kv-cache-dtype vidkv_stp (...); set: {}. Effective bits/element: "
                    "groups 2.231 (K 2.016, V 2.447), pages 2.234 with sink area, 2.234 over all 30 "
                    "layers (0 in the model dtype); 13728 B per 128-token page per layer\n")
-    s = VllmServer(fake_model, "vidkv_stp", chunk=64, max_model_len=512, log_path=log)
+    s = measurement_server(fake_model, "vidkv_stp", chunk=64, max_model_len=512, log=log)
     assert s.served_bits() == dict(groups=2.231, pages=2.234, overall=2.234)
     eng = VllmEngine(fake_model, "vidkv_stp")
     eng.server = s

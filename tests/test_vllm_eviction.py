@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from bench.quality import passkey_prompt  # noqa: E402
-from bench.vllm_engine import VllmServer  # noqa: E402
+from bench.server import Server, measurement_server, metric_value, metrics_text  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -80,8 +80,8 @@ def test_yardstick_engine_passes_the_policy_to_its_server(tmp_path):
         num_attention_heads=9, num_key_value_heads=3, hidden_size=576, num_hidden_layers=30)))
     pol = make_policy("recency", 0.5, recent_window=16)
     eng = VllmEngine(tmp_path, "kivi4", eviction=pol)
-    cmd = VllmServer(tmp_path, "kivi4", chunk=256, max_model_len=1024,
-                     additional_config=eng.overrides).command(0)
+    cmd = measurement_server(tmp_path, "kivi4", chunk=256, max_model_len=1024,
+                             additional_config=eng.overrides).command()
     assert json.loads(cmd[cmd.index("--additional-config") + 1]) == {"lowbit_kv": dict(
         eviction="recency", retention=0.5, eviction_gamma=0.2, eviction_sinks=4, recent_window=16)}
     assert eng.logprobs_variants([1, 2, 3], 2, 2, [pol])[0]["logprobs"] is None  # no PPL after eviction
@@ -91,14 +91,13 @@ def test_yardstick_engine_passes_the_policy_to_its_server(tmp_path):
         VllmEngine(tmp_path, "bfloat16", eviction=pol)
 
 
-def _metric(srv: VllmServer, name: str) -> float:
-    _, data = srv._request("GET", "/metrics")
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", data.decode(), re.M)
-    assert m, name
-    return float(m.group(1))
+def _metric(srv: Server, name: str) -> float:
+    value = metric_value(metrics_text(srv.port), name)
+    assert value is not None, name
+    return value
 
 
-def _stream(srv: VllmServer, ids, n, events: list) -> None:
+def _stream(srv: Server, ids, n, events: list) -> None:
     c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=1200)
     c.request("POST", "/v1/completions", json.dumps(dict(
         model=srv.model_name, prompt=ids, max_tokens=n, temperature=0, ignore_eos=True,
@@ -119,9 +118,9 @@ def test_freed_blocks_are_given_back_and_reused(model_dir, tmp_path):
     a_ids = passkey_prompt(tok, 2048, 0.5, 11111)
     b_ids = passkey_prompt(tok, 2048, 0.1, 22222)
     assert -(-len(a_ids) // BS) == 16 and -(-len(b_ids) // BS) == 16
-    srv = VllmServer(model_dir, "kivi4", chunk=512, max_model_len=3072, max_num_seqs=4,
-                     additional_config=EVICTION, kv_space_gib=1, log_path=tmp_path / "server.log",
-                     extra_args=["--num-gpu-blocks-override", str(BLOCKS), "--block-size", str(BS)])
+    srv = measurement_server(model_dir, "kivi4", chunk=512, max_model_len=3072, max_num_seqs=4,
+                             additional_config=EVICTION, kv_space_gib=1, log=tmp_path / "server.log",
+                             extra_args=["--num-gpu-blocks-override", str(BLOCKS), "--block-size", str(BS)])
     with srv:
         events: list = []
         a = threading.Thread(target=_stream, args=(srv, a_ids, 400, events))

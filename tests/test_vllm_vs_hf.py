@@ -53,7 +53,8 @@ import torch
 pytest.importorskip("vllm")
 
 from bench.quality import HFEngine  # noqa: E402
-from bench.vllm_engine import VllmEngine, VllmServer  # noqa: E402
+from bench.server import measurement_server  # noqa: E402
+from bench.vllm_engine import VllmEngine  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -93,8 +94,8 @@ def prompt(model_dir):
 @pytest.fixture(scope="session")
 def servers(model_dir):
     """bfloat16, kivi2 and vidkv servers, booting in parallel (HF runs meanwhile)."""
-    srv = {n: VllmServer(model_dir, CONFIGS.get(n, (n,))[0], chunk=C, max_model_len=1024,
-                         kv_space_gib=1, max_num_seqs=2, additional_config=CONFIGS.get(n, (n, {}))[1])
+    srv = {n: measurement_server(model_dir, CONFIGS.get(n, (n,))[0], chunk=C, max_model_len=1024,
+                                 kv_space_gib=1, max_num_seqs=2, additional_config=CONFIGS.get(n, (n, {}))[1])
            for n in DTYPES}
     try:
         for s in srv.values():
