@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the whole test suite.
+# Set up (idempotent) and run the whole test suite; arguments go to pytest:
+#   bash scripts/test.sh -m "not slow"    # the fast subset: no vLLM server starts
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

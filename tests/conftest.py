@@ -25,7 +25,13 @@ def pytest_collection_finish(session):
         os.environ.pop("TRITON_INTERPRET", None)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by mark
 def pytest_collection_modifyitems(config, items):
+    # a test of the session's shared server may start it (30 s and more): slow, marked or not,
+    # so that -m "not slow" never starts a server
+    for item in items:
+        if "server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
