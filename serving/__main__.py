@@ -22,7 +22,7 @@ endpoint plugin's entry point is installed and allowlisted).
 ``--additional-config`` given too (whose ``lowbit_kv`` fields win).
 
 ``--kv-eviction POLICY --kv-retention R`` (ours) turn on KV eviction after each
-request's prefill (:mod:`vllm_lowbit_kv.vllm_eviction`): shorthands for the
+request's prefill (:mod:`vllm_lowbit_kv.vllm.eviction`): shorthands for the
 ``lowbit_kv`` fields ``eviction`` and ``retention``, merged the same way
 (``--kv-eviction-gamma G`` sets ``eviction_gamma``). With eviction on, prefix
 caching is turned off unless a prefix-caching flag is given (eviction rewrites
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     argv += add
     os.environ.update(env)
     os.environ.pop("LOWBIT_KV_CONFIG_LOGGED", None)  # a fresh server logs its config once
-    from vllm_lowbit_kv.vllm_plugin import register
+    from vllm_lowbit_kv.vllm.plugin import register
 
     register()
     from serving.kv_stats import attach_in_process

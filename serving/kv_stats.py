@@ -37,7 +37,7 @@ from; none is invented:
   answers (tensor / pipeline parallelism): its staging slots, KV bytes and
   evicted pairs are added up (:func:`merge_ranks`), so the figures are the
   whole engine's. Evicted pairs count the K/V pairs (token x KV head x layer)
-  each compaction dropped (:func:`vllm_lowbit_kv.vllm_eviction.evicted_pairs`),
+  each compaction dropped (:func:`vllm_lowbit_kv.vllm.eviction.evicted_pairs`),
   ``enabled: false`` when no eviction policy is configured.
 
 Gauges (labels ``model_name``, ``kv_cache_dtype``), each figure of the route:
@@ -211,7 +211,7 @@ class KVStats:
         self.model = mc.served_model_name
         self.kv_cache_dtype = str(cc.cache_dtype)
         import torch
-        from vllm_lowbit_kv.vllm_plugin import is_lowbit_dtype
+        from vllm_lowbit_kv.vllm import is_lowbit_dtype
 
         self.model_dtype = str(mc.dtype).removeprefix("torch.")
         self.model_dtype_bytes = torch.empty(0, dtype=mc.dtype).element_size()
@@ -244,7 +244,7 @@ class KVStats:
             native = NATIVE_BITS.get(self.kv_cache_dtype, 8.0 * self.model_dtype_bytes)
             return None, dict(groups=None, pages=None, overall=native)
         from vllm_lowbit_kv.kv_stats import scheme_config
-        from vllm_lowbit_kv.vllm_backend import resolve_config, resolve_scheme
+        from vllm_lowbit_kv.vllm.resolve import resolve_config, resolve_scheme
 
         info = SchemeInfo(**scheme_config(self.vllm_config))
         cfg = resolve_config(self.vllm_config).model_copy(update={"skip_layers": info.skip_layers})

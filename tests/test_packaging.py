@@ -45,7 +45,7 @@ def test_wheel_carries_kernels_corpus_helper_and_serving(wheel):
     assert missing == []
     (ep,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     entry_points = wheel.read(ep).decode()
-    assert "lowbit_kv = vllm_lowbit_kv.vllm_plugin:register" in entry_points
+    assert "lowbit_kv = vllm_lowbit_kv.vllm.plugin:register" in entry_points
     assert "lowbit_kv_stats = serving.kv_stats:KVStatsPlugin" in entry_points
 
 

@@ -279,7 +279,7 @@ def test_vllm_config_refuses_codebook_of_another_model(tmp_path, rvq_codebook_fi
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
 
     from vllm_lowbit_kv.model import prepare_model
-    from vllm_lowbit_kv.vllm_plugin import register
+    from vllm_lowbit_kv.vllm.plugin import register
     register()
     model_dir = str(prepare_model())
 

@@ -46,9 +46,9 @@ VLLM_NOTICES = [
     r"FutureWarning: `torch\.distributed\.reduce_op` is deprecated",
 ]
 #: the one notice eviction brings, named by the issue: vLLM's about a custom scheduler
-SCHEDULER_NOTICE = r"Using custom scheduler class vllm_lowbit_kv\.vllm_eviction\.EvictingScheduler"
-OURS = re.compile(r"lowbit|VLLM_PLUGINS|endpoint plugin|additional_config|\[(vllm_plugin|vllm_backend|"
-                  r"vllm_eviction|kv_stats|hf_cache|paged|schemes)\.py:\d+\]", re.I)
+SCHEDULER_NOTICE = r"Using custom scheduler class vllm_lowbit_kv\.vllm\.eviction\.EvictingScheduler"
+OURS = re.compile(r"lowbit|VLLM_PLUGINS|endpoint plugin|additional_config|\[(plugin|patches|checks|"
+                  r"resolve|backend|eviction|kv_stats|hf_cache|paged|schemes)\.py:\d+\]", re.I)
 
 
 # ----------------------------------------------------------------------------- no server
@@ -118,7 +118,7 @@ def test_worker_figures_add_up_over_ranks():
 def test_evicted_pairs_per_compaction():
     pytest.importorskip("vllm")
     from vllm_lowbit_kv.eviction.paged import PagedEvictionGeometry
-    from vllm_lowbit_kv.vllm_eviction import evicted_pairs
+    from vllm_lowbit_kv.vllm.eviction import evicted_pairs
 
     geo = PagedEvictionGeometry(prompt_tokens=1500, block_size=128, keep_from=1408, region_cap=640,
                                 kept_blocks=5)

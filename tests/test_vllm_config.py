@@ -134,7 +134,7 @@ vllm = pytest.importorskip("vllm")
 @pytest.fixture(scope="module")
 def model_dir():
     from vllm_lowbit_kv.model import prepare_model
-    from vllm_lowbit_kv.vllm_plugin import register
+    from vllm_lowbit_kv.vllm.plugin import register
 
     register()
     return str(prepare_model())
@@ -166,11 +166,11 @@ def test_forced_attention_impl_is_checked_at_startup(model_dir, monkeypatch):
     the scheme on this device stops the server with the reason; auto never does."""
     _vllm_config(model_dir, "vidkv", {"attention_impl": "cpp"})
     _vllm_config(model_dir, "quantile1", {"attention_impl": "auto"})
-    with pytest.raises(ValueError, match=r"attention_impl 'cpp' cannot run here: key codec "
-                                         r"QuantileCodec"):
+    with pytest.raises(ValueError, match=r"attention_impl 'cpp' cannot run here: it reads KIVI "
+                                         r"per-channel / VidKV keys .* not: keys QuantileCodec"):
         _vllm_config(model_dir, "quantile1", {"attention_impl": "cpp"})
-    with pytest.raises(ValueError, match=r"attention_impl 'cuda' cannot run here: it runs on "
-                                         r"cuda devices, not cpu"):
+    with pytest.raises(ValueError, match=r"attention_impl 'cuda' cannot run here: the CUDA kernel "
+                                         r"runs on CUDA devices, not cpu"):
         _vllm_config(model_dir, "vidkv", {"attention_impl": "cuda"})
     with pytest.raises(ValueError, match=r"field 'attention_impl': Input should be 'auto', "):
         _vllm_config(model_dir, "vidkv", {"attention_impl": "gpu"})
@@ -199,10 +199,12 @@ def _fake_vllm_config(user_block_size: bool = True, **model_kw):
 def test_block_size_is_the_schemes_page_unless_the_user_sets_one(model_dir, user_block_size, expected):
     """vidkv's pages hold 1024 tokens (one sink area per 1024 tokens) unless --block-size
     says otherwise (vLLM's CPU platform would pick 128)."""
-    from vllm_lowbit_kv.vllm_backend import check_vllm_config
+    from vllm.platforms.cpu import CpuPlatform
+
+    from vllm_lowbit_kv.vllm.checks import check_vllm_config
 
     cfg = _fake_vllm_config(user_block_size)
-    check_vllm_config(cfg)
+    check_vllm_config(cfg, CpuPlatform)
     assert get_scheme("vidkv").page_size == 1024
     assert cfg.cache_config.block_size == expected
 
@@ -215,14 +217,16 @@ def test_block_size_is_the_schemes_page_unless_the_user_sets_one(model_dir, user
     ({"get_total_num_hidden_layers": lambda: 1}, None),
 ])
 def test_unservable_models_are_refused_with_the_reason(model_dir, model_kw, reason):
-    from vllm_lowbit_kv.vllm_backend import check_vllm_config
+    from vllm.platforms.cpu import CpuPlatform
+
+    from vllm_lowbit_kv.vllm.checks import check_vllm_config
 
     cfg = _fake_vllm_config(**model_kw)
     if reason is None:
-        check_vllm_config(cfg)  # a 1-layer llama-like model is fine
+        check_vllm_config(cfg, CpuPlatform)  # a 1-layer llama-like model is fine
         return
     with pytest.raises(ValueError, match=f"vidkv cannot serve fake: .*{reason}.*Refusing to start"):
-        check_vllm_config(cfg)
+        check_vllm_config(cfg, CpuPlatform)
 
 
 @pytest.mark.parametrize("lowbit", [None, {"skip_layers": [0, 29], "sink_tokens": 4}])
@@ -234,7 +238,8 @@ def test_allocator_capacity_scales_with_bits(model_dir, lowbit, rvq_codebook_fil
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_lowbit_kv.vllm_backend import LowBitKVBackend, _layout
+    from vllm_lowbit_kv.vllm.backend import LowBitKVBackend
+    from vllm_lowbit_kv.vllm.resolve import page_layout
 
     def tokens(dtype, lb):
         cfg = _vllm_config(model_dir, dtype, lb)
@@ -259,7 +264,7 @@ def test_allocator_capacity_scales_with_bits(model_dir, lowbit, rvq_codebook_fil
             lb["codebook"] = str(rvq_codebook_file(name))
         got = tokens(name, lb or None)
         scheme = LowBitKVConfig.parse(lb).scheme(name)
-        page_bits = _layout(scheme, HEAD_DIM, KV_HEADS, 128, torch.bfloat16).bits_per_element
+        page_bits = page_layout(scheme, HEAD_DIM, KV_HEADS, 128, torch.bfloat16).bits_per_element
         bits = (page_bits * (LAYERS - n_skip) + 16 * n_skip) / LAYERS
         assert got >= 0.9 * (16 / bits) * bf16, (name, got, bf16, bits)
         if lowbit is None:

@@ -36,7 +36,7 @@ EVICTION = {"eviction": "flashcache", "retention": 0.2}
 @pytest.fixture(scope="module")
 def model_dir():
     from vllm_lowbit_kv.model import prepare_model
-    from vllm_lowbit_kv.vllm_plugin import register
+    from vllm_lowbit_kv.vllm.plugin import register
 
     register()
     return str(prepare_model())
@@ -67,7 +67,7 @@ def test_eviction_refused_at_startup_with_the_reason(model_dir, dtype, lowbit, c
 
 def test_eviction_installs_its_scheduler(model_dir):
     cfg = _vllm_config(model_dir, "kivi4", EVICTION, enable_prefix_caching=False)
-    assert cfg.scheduler_config.scheduler_cls == "vllm_lowbit_kv.vllm_eviction.EvictingScheduler"
+    assert cfg.scheduler_config.scheduler_cls == "vllm_lowbit_kv.vllm.eviction.EvictingScheduler"
     plain = _vllm_config(model_dir, "kivi4", {}, enable_prefix_caching=False)
     assert plain.scheduler_config.scheduler_cls is None
 

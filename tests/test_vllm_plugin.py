@@ -22,7 +22,8 @@ vllm = pytest.importorskip("vllm")
 from _servers import (COMMON, fluent, long_prompt, metric, model_name, post,  # noqa: E402
                       start_server, wait_idle)
 from vllm_lowbit_kv.schemes import SCHEMES, get_scheme  # noqa: E402
-from vllm_lowbit_kv.vllm_plugin import register  # noqa: E402
+from vllm_lowbit_kv.vllm import BACKEND_PATH  # noqa: E402
+from vllm_lowbit_kv.vllm.plugin import register  # noqa: E402
 
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
@@ -80,45 +81,25 @@ def test_backend_selection_and_refusals(plugin):
     cfg = VllmConfig(cache_config=CacheConfig(cache_dtype="kivi2", block_size=128))
     with set_current_vllm_config(cfg):
         path = CpuPlatform.get_attn_backend_cls(None, _selector())
-        assert path == "vllm_lowbit_kv.vllm_backend.LowBitKVBackend"
+        assert path == BACKEND_PATH == "vllm_lowbit_kv.vllm.backend.LowBitKVBackend"
+        # vLLM's validate_configuration reads the backend's supports_* classmethods;
+        # supports_combination adds the scheme's own limits
         for kw, reason in [({"use_mla": True}, "MLA"),
-                           ({"has_sliding_window": True}, "sliding-window"),
+                           ({"has_sliding_window": True}, "sliding window"),
                            ({"attn_type": "encoder_decoder"}, "encoder"),
+                           ({"has_sink": True}, "attention sinks"),
+                           ({"use_kv_connector": True}, "KV connector"),
+                           ({"use_non_causal": True}, "non-causal"),
                            ({"head_size": 2048}, "head_dim 2048")]:
             with pytest.raises(ValueError, match=reason):
                 CpuPlatform.get_attn_backend_cls(None, _selector(**kw))
-
-
-def test_other_platforms_refuse_lowbit_dtypes(plugin, monkeypatch):
-    """No backend of ours exists off the CPU platform yet: refuse, never fall through."""
-    from types import SimpleNamespace
-
-    import vllm.platforms as platforms
-    from vllm.platforms.interface import Platform, PlatformEnum
-    from vllm_lowbit_kv.vllm_plugin import _refuse_other_platforms
-
-    class FakeCuda(Platform):
-        _enum = PlatformEnum.CUDA
-        seen: list = []
-
-        @classmethod
-        def check_and_update_config(cls, vllm_config):
-            cls.seen.append(vllm_config.cache_config.cache_dtype)
-
-    monkeypatch.setattr(platforms, "_current_platform", FakeCuda())
-    _refuse_other_platforms()
-    cfg = lambda dt: SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=dt))  # noqa: E731
-    with pytest.raises(ValueError, match="CPU platform only"):
-        FakeCuda.check_and_update_config(cfg("vidkv"))
-    FakeCuda.check_and_update_config(cfg("fp8"))
-    assert FakeCuda.seen == ["fp8"]
 
 
 def test_spec_page_size_is_packed(plugin):
     import torch
     from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec
-    from vllm_lowbit_kv.vllm_backend import LowBitKVBackend
+    from vllm_lowbit_kv.vllm.backend import LowBitKVBackend
 
     with set_current_vllm_config(VllmConfig(cache_config=CacheConfig(cache_dtype="kivi2"))):
         spec = FullAttentionSpec(block_size=CPU_BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,

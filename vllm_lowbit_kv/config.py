@@ -38,7 +38,7 @@ Cache layout (any scheme):
 * ``obs_window``: queries in the STP observation window (relevance schemes such
   as ``vidkv_stp``), at most ``block_tokens``.
 
-Eviction (:mod:`vllm_lowbit_kv.vllm_eviction`; off unless ``eviction`` is set):
+Eviction (:mod:`vllm_lowbit_kv.vllm.eviction`; off unless ``eviction`` is set):
 
 * ``eviction``: the policy, one of ``flashcache``, ``uniform``, ``random``,
   ``recency`` (:mod:`vllm_lowbit_kv.eviction.policies`); evicts once per request,

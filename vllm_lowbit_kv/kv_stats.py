@@ -5,13 +5,13 @@ engine core with its workers are separate processes. Block usage reaches the
 API server through vLLM's own ``SchedulerStats``; what only the worker knows
 is fetched with ``engine_client.collective_rpc(WORKER_METHOD)``, the channel
 vLLM's endpoint-plugin contract names for this. The general plugin
-(:func:`vllm_lowbit_kv.vllm_plugin.register`, loaded in every process)
+(:func:`vllm_lowbit_kv.vllm.plugin.register`, loaded in every process)
 installs :data:`WORKER_METHOD` on vLLM's ``WorkerBase``; it returns
-:func:`worker_snapshot`.
+:func:`worker_snapshot` of the worker's staging pools.
 
 Eviction feeds :data:`EVICTION` in the worker process: it is enabled when the
 worker's config names an eviction policy, and
-:func:`vllm_lowbit_kv.vllm_eviction.compact_ordered` calls ``EVICTION.record(n)``
+:func:`vllm_lowbit_kv.vllm.eviction.compact_ordered` calls ``EVICTION.record(n)``
 for the ``n`` K/V pairs each compaction drops (one pair = one token's key and
 value of one KV head in one layer, of this worker's heads). The API server
 reads it with :data:`WORKER_METHOD`, as it reads the staging figures; under
@@ -28,7 +28,7 @@ No vLLM import at module level: the worker side reads what vLLM objects it is ha
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,13 +58,13 @@ EVICTION = EvictionCounter()
 
 def scheme_config(vllm_config: Any) -> dict[str, Any]:
     """The effective configuration of a lowbit-kv ``--kv-cache-dtype``, as the engine runs it,
-    from a ``VllmConfig`` that vLLM has checked (:func:`~vllm_lowbit_kv.vllm_backend.check_vllm_config`
+    from a ``VllmConfig`` that vLLM has checked (:func:`~vllm_lowbit_kv.vllm.checks.check_vllm_config`
     merged ``--kv-cache-dtype-skip-layers`` and set the page size): plain JSON data."""
     from .config import describe_codec
-    from .vllm_backend import resolve_config, resolve_scheme
+    from .vllm.resolve import resolve
 
     cc, mc = vllm_config.cache_config, vllm_config.model_config
-    scheme, cfg = resolve_scheme(vllm_config), resolve_config(vllm_config)
+    scheme, cfg = resolve(vllm_config)
     skip = sorted({int(x) for x in (cc.kv_cache_dtype_skip_layers or []) if str(x).isdigit()}
                   | set(cfg.skip_layers))
     kc, vc = scheme.codecs(mc.get_head_size())
@@ -89,27 +89,19 @@ def _eviction_configured(vllm_config: Any) -> bool:
     return isinstance(lowbit, dict) and bool(lowbit.get("eviction"))
 
 
-def staging_pools() -> list[Any]:
-    """The staging allocators of the LOWBIT_KV metadata builders alive in this process
-    (one per KV cache group served by our backend; none if it was never built)."""
-    backend = sys.modules.get("vllm_lowbit_kv.vllm_backend")
-    if backend is None:
-        return []
-    return [b.alloc for b in list(backend._BUILDERS)]
-
-
-def worker_snapshot(worker: Any = None) -> dict[str, Any]:
+def worker_snapshot(worker: Any = None, pools: Sequence[Any] = ()) -> dict[str, Any]:
     """Plain data (it crosses process boundaries with msgpack) about this worker's KV.
 
     ``kv_cache_bytes``: bytes vLLM allocated for the KV cache (the backing
     allocation its ``KVCacheConfig.kv_cache_tensors`` share), ``num_blocks`` the
     blocks it holds;
-    ``staging_*``: slots of the bf16 staging pools (:class:`~vllm_lowbit_kv.paged.StagingAllocator`),
-    which the KV budget pays for (:func:`~vllm_lowbit_kv.vllm_backend.staging_bytes`); ``eviction_enabled`` / ``evicted_pairs``: :data:`EVICTION`.
+    ``staging_*``: slots of the model-dtype staging ``pools`` (the
+    :class:`~vllm_lowbit_kv.paged.StagingAllocator` of each of the worker's metadata builders),
+    which the KV budget pays for (:func:`~vllm_lowbit_kv.vllm.resolve.staging_bytes`);
+    ``eviction_enabled`` / ``evicted_pairs``: :data:`EVICTION`.
     """
     if not EVICTION.enabled and _eviction_configured(getattr(worker, "vllm_config", None)):
         EVICTION.enable()
-    pools = staging_pools()
     out: dict[str, Any] = dict(
         staging_pools=len(pools),
         staging_slots_total=sum(p.num_slots for p in pools),

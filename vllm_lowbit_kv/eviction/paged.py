@@ -1,6 +1,6 @@
 """Eviction in the packed paged layout (:mod:`vllm_lowbit_kv.paged`): which blocks of a
 request survive, the compaction of its kept pairs, and each layer's read plan after it.
-Pure PyTorch; the vLLM glue is :mod:`vllm_lowbit_kv.vllm_eviction`.
+Pure PyTorch; the vLLM glue is :mod:`vllm_lowbit_kv.vllm.eviction`.
 
 One block table per request, per-layer budgets. After the prompt's prefill
 (N tokens, blocks of ``bs`` tokens, codec groups of ``T`` tokens):

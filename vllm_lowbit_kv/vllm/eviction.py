@@ -3,8 +3,9 @@ worker-side compaction (glue over :mod:`vllm_lowbit_kv.eviction.paged`).
 
 Enabled by ``{"lowbit_kv": {"eviction": "flashcache", "retention": 0.2}}`` (or the
 launcher's ``--kv-eviction flashcache --kv-retention 0.2``) with a lowbit-kv
-``--kv-cache-dtype``; :func:`vllm_lowbit_kv.vllm_backend.check_vllm_config`
-validates it and installs :class:`EvictingScheduler` as vLLM's scheduler class.
+``--kv-cache-dtype``; :func:`vllm_lowbit_kv.vllm.checks.check_vllm_config`
+validates it (:func:`eviction_refusals`) and names :class:`EvictingScheduler` as
+vLLM's scheduler class.
 
 Once per request, in the first step after its prefill (the prompt's KV is in
 the pages, its first token sampled):
@@ -17,7 +18,8 @@ the pages, its first token sampled):
    attaches an order to the step's ``SchedulerOutput`` (attribute
    ``lowbit_kv_evictions``, pickled to the worker with the rest). The step then
    schedules with those blocks free: other requests may take them at once.
-2. Worker, first thing in that step (``_update_states`` hook, before vLLM zeroes
+2. Worker, first thing in that step (the runner's ``_update_states`` hook of
+   :mod:`.patches`, before vLLM zeroes
    reallocated blocks and before any forward writes into them): reads every
    layer's prompt K/V of the request, plans with the policy, writes each layer's
    kept pairs to the front of its blocks, replaces the freed block ids of the
@@ -43,9 +45,10 @@ import torch
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from . import kv_stats
-from .eviction.paged import (PagedEvictionGeometry, compact_request, compacted_read_plan,
-                             paged_geometry)
+from .. import kv_stats
+from ..eviction.paged import (PagedEvictionGeometry, compact_request, compacted_read_plan,
+                              paged_geometry)
+from .resolve import resolve
 
 logger = logging.getLogger("vllm.lowbit_kv")
 
@@ -60,10 +63,8 @@ _COMPACTED: dict[int, tuple[int, dict[str, int]]] = {}
 
 
 def _policy_and_cap(vllm_config) -> tuple[Any, float, int]:
-    from .vllm_backend import resolve_config, resolve_scheme
-
-    cfg = resolve_config(vllm_config)
-    return cfg.eviction_policy(), cfg.eviction_layer_cap, resolve_scheme(vllm_config).block_tokens
+    scheme, cfg = resolve(vllm_config)
+    return cfg.eviction_policy(), cfg.eviction_layer_cap, scheme.block_tokens
 
 
 class EvictingScheduler(Scheduler):
@@ -232,7 +233,3 @@ def eviction_refusals(vllm_config, scheme, cfg) -> list[str]:
                        f"({scheme.sink_tokens}): the exact sink area holds the first tokens")
     return reasons
 
-
-def install(vllm_config) -> None:
-    """Make vLLM build :class:`EvictingScheduler` (checked by :func:`eviction_refusals`)."""
-    vllm_config.scheduler_config.scheduler_cls = SCHEDULER_CLS

@@ -1,0 +1,94 @@
+"""What a vLLM config asks of us: the scheme named by ``--kv-cache-dtype`` with the
+``lowbit_kv`` overrides of ``--additional-config``, its page layout, its staging."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm.config import get_current_vllm_config_or_none
+
+from ..config import ADDITIONAL_CONFIG_KEY, LowBitKVConfig
+from ..paged import PagedLayout
+from ..schemes import KVScheme
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+_resolved: dict[tuple, tuple[KVScheme, LowBitKVConfig]] = {}
+#: what this process resolved last (hooks such as customize_spec run outside
+#: vLLM's config context; one process serves one engine config)
+_last: tuple[KVScheme, LowBitKVConfig] | None = None
+
+
+def resolve(vllm_config: "VllmConfig | None" = None) -> tuple[KVScheme, LowBitKVConfig]:
+    """(scheme, lowbit_kv config) of ``vllm_config``, else of the config in scope, else of
+    the last one resolved. Raises :class:`~vllm_lowbit_kv.config.LowBitKVConfigError`."""
+    global _last
+    vllm_config = vllm_config or get_current_vllm_config_or_none()
+    if vllm_config is None:
+        if _last is None:
+            raise RuntimeError("lowbit-kv: no vLLM config in scope and no scheme resolved yet")
+        return _last
+    name = vllm_config.cache_config.cache_dtype
+    raw = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) \
+        if isinstance(vllm_config.additional_config, dict) else None
+    key = (name, repr(raw))
+    if key not in _resolved:
+        cfg = LowBitKVConfig.parse(raw)
+        _resolved[key] = (cfg.scheme(name), cfg)
+    _last = _resolved[key]
+    return _last
+
+
+def resolve_scheme(vllm_config: "VllmConfig | None" = None) -> KVScheme:
+    """The scheme as the backend runs it (:meth:`LowBitKVConfig.scheme`)."""
+    return resolve(vllm_config)[0]
+
+
+def resolve_config(vllm_config: "VllmConfig | None" = None) -> LowBitKVConfig:
+    return resolve(vllm_config)[1]
+
+
+def page_layout(scheme: KVScheme, head_size: int, num_kv_heads: int, block_size: int,
+                dtype: torch.dtype, layer: int | None = None) -> PagedLayout:
+    """The page layout; codecs with per-layer state (RVQ codebooks) need ``layer`` to
+    code, the byte layout is the same for every layer."""
+    kc, vc = scheme.codecs(head_size, layer=layer)
+    return PagedLayout(kc, vc, num_kv_heads, block_size, scheme.sink_tokens, dtype,
+                       scheme.rotation(head_size, layer))
+
+
+def model_dtype() -> torch.dtype:
+    """The model dtype of the config in scope (bfloat16 without one)."""
+    cfg = get_current_vllm_config_or_none()
+    if cfg is not None and cfg.model_config is not None:
+        return cfg.model_config.dtype
+    return torch.bfloat16
+
+
+def device_type(vllm_config: "VllmConfig") -> str:
+    """Where this engine's tensors live: vLLM's device type (cpu, cuda)."""
+    return getattr(getattr(vllm_config, "device_config", None), "device_type", None) or "cpu"
+
+
+def staging_slots(vllm_config: "VllmConfig") -> int:
+    """Staging slots per layer: the residual window's groups and the partial group of
+    every running request (:class:`~vllm_lowbit_kv.paged.StagingAllocator`); the slots of
+    ended/preempted requests are returned before the next step."""
+    return int(vllm_config.scheduler_config.max_num_seqs) * resolve_scheme(vllm_config).staged_groups
+
+
+def staging_bytes(vllm_config: "VllmConfig") -> int:
+    """Bytes of staging in all packed layers of this worker (K and V, and for STP the
+    queries)."""
+    scheme, cfg = resolve(vllm_config)
+    mc, par = vllm_config.model_config, vllm_config.parallel_config
+    rows = 2 * mc.get_num_kv_heads(par)
+    if scheme.uses_relevance:  # STP keeps the staged tokens' queries too
+        rows += mc.get_num_attention_heads(par)
+    layers = mc.get_total_num_hidden_layers() - len(cfg.skip_layers)
+    elt = torch.empty(0, dtype=mc.dtype).element_size()
+    return (staging_slots(vllm_config) * scheme.block_tokens * rows * mc.get_head_size() * elt
+            * layers)
