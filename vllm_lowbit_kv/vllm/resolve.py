@@ -20,17 +20,22 @@ _resolved: dict[tuple, tuple[KVScheme, LowBitKVConfig]] = {}
 #: what this process resolved last (hooks such as customize_spec run outside
 #: vLLM's config context; one process serves one engine config)
 _last: tuple[KVScheme, LowBitKVConfig] | None = None
+#: the model dtype of the config resolved last, for the same hooks: the sink area and the
+#: staging hold model-dtype values, so the page size depends on it
+_last_model_dtype: torch.dtype | None = None
 
 
 def resolve(vllm_config: "VllmConfig | None" = None) -> tuple[KVScheme, LowBitKVConfig]:
     """(scheme, lowbit_kv config) of ``vllm_config``, else of the config in scope, else of
     the last one resolved. Raises :class:`~vllm_lowbit_kv.config.LowBitKVConfigError`."""
-    global _last
+    global _last, _last_model_dtype
     vllm_config = vllm_config or get_current_vllm_config_or_none()
     if vllm_config is None:
         if _last is None:
             raise RuntimeError("lowbit-kv: no vLLM config in scope and no scheme resolved yet")
         return _last
+    if vllm_config.model_config is not None:
+        _last_model_dtype = vllm_config.model_config.dtype
     name = vllm_config.cache_config.cache_dtype
     raw = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) \
         if isinstance(vllm_config.additional_config, dict) else None
@@ -61,11 +66,12 @@ def page_layout(scheme: KVScheme, head_size: int, num_kv_heads: int, block_size:
 
 
 def model_dtype() -> torch.dtype:
-    """The model dtype of the config in scope (bfloat16 without one)."""
+    """The model dtype of the config in scope, else of the config resolved last (the page
+    size hook runs outside vLLM's config context), else bfloat16."""
     cfg = get_current_vllm_config_or_none()
     if cfg is not None and cfg.model_config is not None:
         return cfg.model_config.dtype
-    return torch.bfloat16
+    return _last_model_dtype or torch.bfloat16
 
 
 def device_type(vllm_config: "VllmConfig") -> str:
