@@ -452,16 +452,23 @@ def test_forward_allocates_on_the_tensors_device(scheme, params):
 
 @pytest.mark.parametrize("scheme,params,sinks,window", [
     ("vidkv", {"protect": 0.25}, 4, 2), ("vidkv", {}, 4, 2), ("kivi2", {}, 0, 1)])
-def test_a_request_reads_nothing_of_earlier_ones(scheme, params, sinks, window):
+@pytest.mark.parametrize("a_len,sched_a,a_blocks", [
+    (70, [[50]] + [[1]] * 20, range(0, 8)),  # A completes groups, in blocks B never gets
+    # A never completes a group (a short chat) and B gets A's blocks, as vLLM hands them
+    # back: A's sinks are in B's first block when B's first step completes groups
+    (12, [[8]] + [[1]] * 4, range(8, 16))])
+def test_a_request_reads_nothing_of_earlier_ones(scheme, params, sinks, window, a_len, sched_a,
+                                                 a_blocks):
     """The same request gives the same outputs on fresh buffers and after another request
-    used (and returned) the staging slots: nothing stale is ever read."""
+    used (and returned) the staging slots and blocks: nothing stale is ever read; and its
+    sink area holds its own sinks, with STP too (a first step that completes groups
+    encodes them in waves, which must not skip the sinks)."""
     torch.manual_seed(5)
     q_heads = HQ if params.get("protect") else None
     obs_window = 8 if q_heads else None
-    a = (rnd(70, H, D), rnd(70, H, D), rnd(70, HQ, D))
+    a = (rnd(a_len, H, D), rnd(a_len, H, D), rnd(a_len, HQ, D))
     b = (rnd(100, H, D), rnd(100, H, D), rnd(100, HQ, D))
-    table_a, table_b = torch.arange(0, 8), torch.arange(8, 16)
-    sched_a = [[50]] + [[1]] * 20
+    table_a, table_b = torch.tensor(list(a_blocks)), torch.arange(8, 16)
     sched_b = [[40], [40], [10]] + [[1]] * 10
 
     def outputs(engine, seq, table, schedule):
@@ -473,3 +480,7 @@ def test_a_request_reads_nothing_of_earlier_ones(scheme, params, sinks, window):
     outputs(used, a, table_a, sched_a)
     used[3].release_blocks(table_a.tolist(), used[0].groups_per_block)  # A ended
     assert torch.equal(outputs(used, b, table_b, sched_b), outputs(fresh, b, table_b, sched_b))
+    if sinks:
+        layout, pages = fresh[0], fresh[1]
+        sk, sv = layout.read_sinks(pages, int(table_b[0]), sinks)
+        assert torch.equal(sk, b[0][:sinks].float()) and torch.equal(sv, b[1][:sinks].float())

@@ -8,8 +8,8 @@ from ..codecs.base import require
 from ..ops import merge_attention, packed_attention_reference
 from .attention import attention_mass, context_keys, exact_attention
 from .layout import PagedLayout
-from .plan import EMPTY_INDEX, ReadPlan, WritePlan
-from .write import Staging, encode_groups, stage_tokens
+from .plan import ReadPlan, WritePlan
+from .write import Staging, encode_groups, stage_tokens, write_sink_tokens
 
 
 def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor,
@@ -71,7 +71,8 @@ def _encode_in_dependency_order(wplan: WritePlan, rplan: ReadPlan, layout: Paged
     require(bool((enc_req >= 0).all()), "WritePlan.enc_req", "known for relevance",
             enc_req.tolist())
     rel = torch.zeros(E, layout.T, layout.H, device=key.device)
-    encode_groups(wplan, layout, key, value, pages, staging, rows=EMPTY_INDEX)  # sinks only
+    # the sinks first: encoding in waves passes rows, which writes no sinks
+    write_sink_tokens(wplan, layout, key, value, pages)
     done = torch.zeros(E, dtype=torch.bool, device=enc_req.device)  # plans stay on the CPU
     while not bool(done.all()):
         pending = wplan.enc_gids[~done]

@@ -46,15 +46,15 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
                   rows: torch.Tensor | None = None) -> None:
     """Encode the completed groups ``rows`` (indices into ``plan.enc_gids``, default all;
     ``relevance`` [E, T, H] is indexed the same way) into their pages, and, with all
-    rows, write the step's sink tokens into their sink areas.
+    rows (``rows`` None), write the step's sink tokens into their sink areas
+    (:func:`write_sink_tokens`; a caller encoding in parts writes them itself).
 
     Runs before :func:`stage_tokens` of the same step: completed groups read their
     earlier tokens from staging slots that this very step may hand to a new group.
     """
     E = plan.enc_gids.numel()
-    if rows is None and plan.sink_tok.numel():
-        layout.write_sinks(pages, plan.sink_block, plan.sink_pos, key[plan.sink_tok],
-                           value[plan.sink_tok])
+    if rows is None:
+        write_sink_tokens(plan, layout, key, value, pages)
     if E == 0 or (rows is not None and rows.numel() == 0):
         return
     T, H, D = layout.T, layout.H, layout.D
@@ -80,6 +80,15 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
         relevance = None if relevance is None else relevance[rows]
     gids = plan.enc_gids if rows is None else plan.enc_gids[rows]
     layout.write_states(pages, gids, layout.encode(tk, tv, relevance))
+
+
+def write_sink_tokens(plan: WritePlan, layout: PagedLayout, key: torch.Tensor,
+                      value: torch.Tensor, pages: torch.Tensor) -> None:
+    """Copy the step's sink tokens (positions < sink_tokens) into the sink area of their
+    sequence's first block, where every read of a sink position looks."""
+    if plan.sink_tok.numel():
+        layout.write_sinks(pages, plan.sink_block, plan.sink_pos, key[plan.sink_tok],
+                           value[plan.sink_tok])
 
 
 def stage_tokens(plan: WritePlan, key: torch.Tensor, value: torch.Tensor, staging: Staging,
