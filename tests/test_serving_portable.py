@@ -24,24 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = sorted(p for p in (ROOT / "bench" / "results").iterdir() if p.suffix in (".json", ".md"))
 EMBEDDED = str(cache_root() / MODEL_NAME)
 
-#: results owned by the quality yardstick's engineer, written before its writer named
-#: models by their served names; `python -m bench.portable --fix FILE` rewrites them
-#: (values untouched). Strict: the test fails once they are fixed, to drop this list.
-PENDING = {"quality_rvq_hf.json", "quality_rvq_vllm_quick.json", "quality_vllm_quick.json"}
-
-
-def _params():
-    for p in RESULTS:
-        marks = [pytest.mark.xfail(strict=True, reason="absolute paths left for its owner to fix")] \
-            if p.name in PENDING else []
-        yield pytest.param(p, id=p.name, marks=marks)
-
-
 def test_results_exist():
     assert len(RESULTS) >= 10 and any(p.suffix == ".md" for p in RESULTS)
 
 
-@pytest.mark.parametrize("path", list(_params()))
+@pytest.mark.parametrize("path", RESULTS, ids=lambda p: p.name)
 def test_result_file_names_no_absolute_path(path):
     found = portable.absolute_paths(path.read_text())
     assert found == [], f"{path.name}: {found[:5]} (python -m bench.portable --fix {path.name})"
