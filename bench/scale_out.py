@@ -1,9 +1,21 @@
-"""KV capacity and per-rank memory of a 70B-class model scaled out with vLLM's tensor and
-pipeline parallelism, low-bit KV against bf16 (docs/scale_out.md).
+"""Scale-out with vLLM's tensor and pipeline parallelism (docs/scale_out.md): what it
+costs in answers, measured, and what it buys in capacity for a 70B-class model, computed.
 
-    python -m bench.scale_out            # the table of docs/scale_out.md (markdown)
+    python -m bench.scale_out            # the capacity table of docs/scale_out.md (markdown)
+    python -m bench.scale_out --measure --json bench/results/scale_out.json \
+        --png bench/results/scale_out.png   # drift of TP3 / PP2 from one process
 
-A calculation, not a measurement: the model is Llama-3-70B's shape (80 layers,
+**Measured drift.** vLLM's own engine is not bit-identical across layouts on the
+CPU build: the row-parallel all-reduce sums bf16 partial products in another order
+(TP) and each stage is its own graph (PP), so even its bf16 cache gives slightly
+other log-probs than one process. A 2-bit cache turns such last-bit differences in
+K and V into other codes now and then, so it drifts more. :func:`drift` measures
+it where every later token reads the packed pages: the teacher-forced log-prob of
+each token of a long text (chunked prefill), scaled server against one process
+with the same flags, mean absolute difference in nats per token. The test
+(tests/test_serving_scale_out.py) bounds it with :data:`DRIFT_LIMIT_NATS`.
+
+**Computed capacity.** A calculation, not a measurement: the model is Llama-3-70B's shape (80 layers,
 8 KV heads, head_dim 128, 70.6e9 parameters in bf16) on 80 GB GPUs at vLLM's
 default ``gpu_memory_utilization`` 0.9, with a fixed activation/runtime reserve
 per rank. Each rank holds ``layers / pp`` layers and ``kv_heads / tp`` KV heads
@@ -17,8 +29,16 @@ head, the unit a rank's pages are made of.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 GB = 1e9
 LAYERS, KV_HEADS, HEAD_DIM, PARAMS = 80, 8, 128, 70.6e9
@@ -83,12 +103,112 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
-def main(argv: Sequence[str] | None = None) -> str:
-    argparse.ArgumentParser(prog="python -m bench.scale_out", description=__doc__.splitlines()[0]) \
-        .parse_args(argv)
-    text = markdown(table())
-    print(text)
-    return text
+# ----------------------------------------------------------------------------- measured drift
+#: scaled-out layouts measured against one process (SmolLM2: 3 KV heads, 30 layers)
+PARALLEL = {"tp3": ["--tensor-parallel-size", "3"], "pp2": ["--pipeline-parallel-size", "2"]}
+#: chunked prefill in 256-token steps: every token after the first chunk reads packed pages
+SERVER_ARGS = ["--max-model-len", "1024", "--max-num-batched-tokens", "256", "--max-num-seqs", "4",
+               "--no-enable-prefix-caching"]
+#: nats per token: measured ~0.1 for vidkv (vLLM's own bf16 cache ~0.04; vidkv against bf16,
+#: its quantization error, ~0.5 on the same text); a rank reading another head's or layer's
+#: pages would be far above
+DRIFT_LIMIT_NATS = 0.25
+DRIFT_TEXT_CHARS = 3600
+
+
+def drift_text(tag: str = "") -> str:
+    """A long held-out text (about 800 tokens of SmolLM2), ``tag`` first so that a server
+    with prefix caching has no cached block of it."""
+    from vllm_lowbit_kv.corpus import default_text
+
+    return tag + default_text()[:DRIFT_TEXT_CHARS]
+
+
+def teacher_forced(server, text: str) -> torch.Tensor:
+    """log p of every token of ``text`` given the ones before it, from one chunked prefill."""
+    ids = server.post("/tokenize", {"model": server.model_name, "prompt": text})["tokens"]
+    return server.prompt_logprobs(ids)
+
+
+def drift(reference: torch.Tensor, scaled: torch.Tensor) -> dict[str, float]:
+    d = (reference - scaled).abs()
+    return dict(tokens=int(d.numel()), mean_abs_nats=round(float(d.mean()), 4),
+                max_abs_nats=round(float(d.max()), 3))
+
+
+def measure(dtypes: Sequence[str], log=print) -> list[dict]:
+    """For every dtype: one process, then each of :data:`PARALLEL`, teacher-forced on
+    :func:`drift_text`; rows of drift against one process (and, for the low-bit dtypes,
+    the quantization error against one bf16 process, for scale)."""
+    from bench.server import Server
+
+    text, rows, one = drift_text(), [], {}
+    for dtype in dtypes:
+        for layout, flags in {"one": [], **PARALLEL}.items():
+            with Server(["--kv-cache-dtype", dtype, *SERVER_ARGS, *flags]).start() as s:
+                logprobs = teacher_forced(s, text)
+            log(f"{dtype} {layout}: mean log p {float(logprobs.mean()):.4f}")
+            if layout == "one":
+                one[dtype] = logprobs
+                if dtype != dtypes[0]:
+                    rows.append(dict(dtype=dtype, layout="one", against=f"{dtypes[0]} one",
+                                     **drift(one[dtypes[0]], logprobs)))
+                continue
+            rows.append(dict(dtype=dtype, layout=layout, against=f"{dtype} one",
+                             **drift(one[dtype], logprobs)))
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    from bench.plotting import pyplot, save
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    labels = [f"{r['dtype']} {r['layout']}\nvs {r['against']}" for r in rows]
+    ax.bar(range(len(rows)), [r["mean_abs_nats"] for r in rows],
+           color=["tab:gray" if r["layout"] == "one" else "tab:blue" for r in rows])
+    ax.axhline(DRIFT_LIMIT_NATS, color="tab:red", ls="--", lw=1, label="test's limit for scale-out")
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("mean |Δ log p| (nats / token)")
+    ax.set_title("SmolLM2-135M-Instruct, CPU build: teacher-forced drift", fontsize=9)
+    ax.legend(fontsize=8)
+    save(fig, path)
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main(argv: Sequence[str] | None = None) -> str | list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m bench.scale_out", description=__doc__.splitlines()[0])
+    parser.add_argument("--measure", action="store_true", help="measure drift through real servers")
+    parser.add_argument("--dtypes", default="auto,vidkv,kivi2", help="first: the reference dtype")
+    parser.add_argument("--json", help="--measure: write the rows here")
+    parser.add_argument("--png", help="--measure: plot them here")
+    args = parser.parse_args(argv)
+    if not args.measure:
+        text = markdown(table())
+        print(text)
+        return text
+    t0 = time.time()
+    rows = measure([d.strip() for d in args.dtypes.split(",")],
+                   log=lambda s: print(s, file=sys.stderr, flush=True))
+    for r in rows:
+        print(f"{r['dtype']:>8} {r['layout']:>4} vs {r['against']:<10} mean |d| {r['mean_abs_nats']:.4f} "
+              f"max {r['max_abs_nats']:.3f} over {r['tokens']} tokens")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            command="python -m bench.scale_out " + " ".join(argv), model="SmolLM2-135M-Instruct",
+            server_args=SERVER_ARGS, parallel=PARALLEL, drift_limit_nats=DRIFT_LIMIT_NATS,
+            machine=dict(cpu=_cpu_name(), cores=os.cpu_count()), rows=rows,
+            elapsed_s=round(time.time() - t0, 1)), indent=1))
+    if args.png:
+        plot(rows, args.png)
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,19 +1,27 @@
 """Scale-out through vLLM's own distributed engine on the CPU build (issue #17):
 ``--pipeline-parallel-size 2`` (SmolLM2's 30 layers split 15/15) and
 ``--tensor-parallel-size 3`` (3 KV heads, 9 query heads: one KV head per rank), with
-the packed KV cache, give the same greedy output as one process, and the stats route
-reports the whole engine (every rank's staging pools and KV bytes added up).
+the packed KV cache, answer as one process does, and the stats route reports the
+whole engine (every rank's staging pools and KV bytes added up).
 
-The one-process reference for ``vidkv`` is the session's shared server; the scaled
-servers get exactly its flags (its lowbit_kv fields: sinks, window, ``protect``,
-layer 0 in bf16; chunked prefill of 256 tokens; 10 blocks of 128 tokens), so a
-long prompt's later chunks read packed pages written by other chunks. ``kivi2``
-runs with tensor parallelism against a one-process kivi2 server of its own.
+"As one process does" cannot mean bit-identical here: vLLM's own engine is not,
+across layouts, even with its bf16 cache (bench/scale_out.py's docstring says why),
+and a 2-bit cache turns such last-bit differences into other codes now and then.
+What the tests hold:
 
-On this 2-core machine the ranks share the cores: the launcher sets
-``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's automatic binding wants a NUMA node per rank)
-and, for pipeline parallelism, traces the model instead of ``--enforce-eager``
-(serving/__main__.py says why).
+* teacher-forced drift: over a long text read through the packed pages, the mean
+  |log p| difference per token against one process with the same flags stays
+  under :data:`bench.scale_out.DRIFT_LIMIT_NATS` (a rank that read another head's
+  or layer's pages would be far above it; that each rank stores exactly one
+  process's share of the heads is tests/test_tensor_parallel_split.py);
+* greedy answers equal to one process's on a short factual prompt, a divergence
+  accepted only at a near-tie.
+
+Each scaled server is compared with a one-process server of the same flags started
+by this module (the scheme's defaults; chunked prefill of 256 tokens; 10 blocks of
+128 tokens): ``vidkv`` at pp=2 and tp=3, ``kivi2`` at tp=3. On this 2-core machine the ranks share the cores: the launcher sets
+``VLLM_CPU_OMP_THREADS_BIND`` and, for pipeline parallelism, traces the model
+instead of ``--enforce-eager`` (serving/__main__.py says why).
 
 KV eviction under tensor/pipeline parallelism is refused at start-up with the
 reason (each rank would plan on its own heads and layers only): tested here.
@@ -21,70 +29,64 @@ reason (each rank would plan on its own heads and layers only): tested here.
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from _servers import (COMMON, LOWBIT, NUM_BLOCKS, STATS_ROUTE, get_json, long_prompt,  # noqa: E402
-                      model_name, post, start_server)
+from _servers import COMMON, NUM_BLOCKS, STATS_ROUTE, get_json, model_name, post, start_server  # noqa: E402
+from bench.scale_out import DRIFT_LIMIT_NATS, drift, drift_text, teacher_forced  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 GEN = 16
-#: nats: a divergence from the one-process run is accepted only at a near-tie this close
+#: nats: a greedy divergence from the one-process run is accepted only at a near-tie this close
 NEAR_TIE = 0.3
+FACTUAL = "The capital of France is"
 
 
-def _prompts() -> list[str]:
-    """A tag first, new for every call: no prompt shares a cached prefix block with an
-    earlier request of the server (a prefix hit reads packed pages where a fresh prefill
-    attends its own chunk exactly, so it changes the answer)."""
-    tag = f"[run {time.time_ns() % 10**12}] "
-    return [tag + long_prompt(0, chars=2400), tag + long_prompt(5, chars=600),
-            tag + "The capital of France is"]
+def _tag() -> str:
+    """New for every call: no text shares a cached prefix block with an earlier request of
+    a server (a prefix hit reads packed pages where a fresh prefill attends exactly)."""
+    return f"[run {time.time_ns() % 10**12}] "
 
 
-def _shared_args(tmp, dtype="vidkv", lowbit=None):
-    cfg = tmp / f"lowbit_{dtype}.json"
-    cfg.write_text(json.dumps(LOWBIT if lowbit is None else lowbit))
-    return ["--kv-cache-dtype", dtype, "--lowbit-config", str(cfg),
-            "--num-gpu-blocks-override", str(NUM_BLOCKS), *COMMON]
+def _args(dtype):
+    return ["--kv-cache-dtype", dtype, "--num-gpu-blocks-override", str(NUM_BLOCKS), *COMMON]
 
 
-def _greedy(port, prompts) -> list[tuple[list[int], list[dict[str, float]]]]:
-    """Greedy tokens of every prompt, each with the top-3 log-probs of every position."""
-    out = []
-    for p in prompts:
-        r = post(port, "/v1/completions", {"model": model_name(port), "prompt": p, "max_tokens": GEN,
-                                           "temperature": 0, "ignore_eos": True, "logprobs": 3,
-                                           "return_token_ids": True})
-        ch = r["choices"][0]
-        out.append((ch["token_ids"], ch["logprobs"]["top_logprobs"]))
-    return out
+def _greedy(port, prompt) -> tuple[list[int], list[dict[str, float]]]:
+    """Greedy tokens, with the top-3 log-probs of every position."""
+    r = post(port, "/v1/completions", {"model": model_name(port), "prompt": prompt, "max_tokens": GEN,
+                                       "temperature": 0, "ignore_eos": True, "logprobs": 3,
+                                       "return_token_ids": True})
+    ch = r["choices"][0]
+    return ch["token_ids"], ch["logprobs"]["top_logprobs"]
 
 
-def _same_greedy(scaled, reference, prompts) -> list[int]:
+def _same_greedy(scaled, reference) -> int:
     """Both runs give the same greedy tokens, except after a near-tie: at the first
     position where they differ, each run's token is within :data:`NEAR_TIE` nats of the
-    other's in that run's own log-probs (vLLM's own bf16 cache under tensor parallelism
-    diverges from one process the same way: its all-reduce sums in another order, and
-    a near-tie flips). Returns the length of the common prefix of each prompt."""
-    common = []
-    for (tok_s, lp_s), (tok_r, lp_r), prompt in zip(scaled, reference, prompts):
-        n = next((i for i, (a, b) in enumerate(zip(tok_s, tok_r)) if a != b), len(tok_r))
-        common.append(n)
-        if n == len(tok_r):
-            continue
+    other's in that run's own log-probs. Returns the length of the common prefix."""
+    (tok_s, lp_s), (tok_r, lp_r) = scaled, reference
+    n = next((i for i, (a, b) in enumerate(zip(tok_s, tok_r)) if a != b), len(tok_r))
+    if n < len(tok_r):
         top_s, top_r = lp_s[n], lp_r[n]
         chosen_s, chosen_r = max(top_s, key=top_s.get), max(top_r, key=top_r.get)
         for top, other in ((top_s, chosen_r), (top_r, chosen_s)):  # the other run's token:
             near = other in top and top[other] >= max(top.values()) - NEAR_TIE  # a near-tie here
-            assert near, (f"diverged at token {n} of {prompt[-40:]!r} without a near-tie",
-                          top_s, top_r)
-    return common
+            assert near, (f"diverged at token {n} without a near-tie", top_s, top_r)
+    return n
+
+
+def _answers_as_one_process(scaled, reference) -> None:
+    """Teacher-forced drift under the limit, greedy answers equal up to a near-tie."""
+    text, prompt = drift_text(_tag()), _tag() + FACTUAL
+    d = drift(teacher_forced(reference, text), teacher_forced(scaled, text))
+    common = _same_greedy(_greedy(scaled.port, prompt), _greedy(reference.port, prompt))
+    print(f"{scaled.args[-2:]}: teacher-forced drift {d}; greedy equal for {common}/{GEN} tokens")
+    assert d["mean_abs_nats"] < DRIFT_LIMIT_NATS, d
 
 
 def _scaled(tmp, name, args, parallel):
@@ -98,20 +100,25 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("scale_out")
 
 
+@pytest.fixture(scope="module")
+def one_vidkv(tmp):
+    s = start_server(tmp, "vidkv_1", _args("vidkv"))
+    try:
+        yield s.wait_ready(timeout=500)
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("parallel,ranks", [(["--pipeline-parallel-size", "2"], 2),
                                             (["--tensor-parallel-size", "3"], 3)],
                          ids=["pp2", "tp3"])
-def test_vidkv_scaled_out_equals_one_process(server, tmp, parallel, ranks):
-    prompts = _prompts()
-    reference = _greedy(server.port, prompts)
-    s = _scaled(tmp, f"vidkv_{ranks}", _shared_args(tmp), parallel).wait_ready(timeout=500)
+def test_vidkv_scaled_out_answers_as_one_process(one_vidkv, tmp, parallel, ranks):
+    s = _scaled(tmp, f"vidkv_{ranks}", _args("vidkv"), parallel).wait_ready(timeout=500)
     try:
-        log = s.log.read_text()
-        assert "using the LOWBIT_KV attention backend" in log
-        common = _same_greedy(_greedy(s.port, prompts), reference, prompts)
-        print(f"{parallel}: greedy tokens equal to one process before a near-tie: {common}")
+        assert "using the LOWBIT_KV attention backend" in s.log.read_text()
+        _answers_as_one_process(s, one_vidkv)
         stats = get_json(s.port, STATS_ROUTE)
-        one = get_json(server.port, STATS_ROUTE)
+        one = get_json(one_vidkv.port, STATS_ROUTE)
         assert stats["workers"] == ranks and one["workers"] == 1
         assert stats["scheme"] == one["scheme"]
         assert stats["staging"]["pools"] == ranks * one["staging"]["pools"]
@@ -126,21 +133,15 @@ def test_vidkv_scaled_out_equals_one_process(server, tmp, parallel, ranks):
         s.stop()
 
 
-def test_kivi2_tensor_parallel_equals_one_process(tmp):
-    lowbit = {"sink_tokens": 4, "residual_tokens": 128}
-    prompts = _prompts()
-    one = start_server(tmp, "kivi2_1", _shared_args(tmp, "kivi2", lowbit))
+def test_kivi2_tensor_parallel_answers_as_one_process(tmp):
+    one = start_server(tmp, "kivi2_1", _args("kivi2"))
+    s = _scaled(tmp, "kivi2_tp3", _args("kivi2"), ["--tensor-parallel-size", "3"])
     try:
-        reference = _greedy(one.wait_ready(timeout=500).port, prompts)
-    finally:
-        one.stop()
-    s = _scaled(tmp, "kivi2_tp3", _shared_args(tmp, "kivi2", lowbit),
-                ["--tensor-parallel-size", "3"]).wait_ready(timeout=500)
-    try:
-        _same_greedy(_greedy(s.port, prompts), reference, prompts)
+        one.wait_ready(timeout=500), s.wait_ready(timeout=500)
+        _answers_as_one_process(s, one)
         assert get_json(s.port, STATS_ROUTE)["workers"] == 3
     finally:
-        s.stop()
+        one.stop(), s.stop()
 
 
 @pytest.mark.parametrize("parallel", [["--pipeline-parallel-size", "2"], ["--tensor-parallel-size", "3"]],
