@@ -35,6 +35,7 @@ def test_paged_path_equals_the_transformers_cache(model_dir, scheme):
     assert row["ppl"] > row["ppl_bf16"] * 0.99 and row["max_logit_diff_vs_cpu"] == 0
 
 
+@pytest.mark.slow  # SmolLM2 through the paged forward on the CPU
 def test_gpu_script_dry_run():
     r = subprocess.run(["bash", "bench/gpu.sh", "--dry-run"], capture_output=True, text=True,
                        timeout=120)

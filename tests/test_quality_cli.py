@@ -35,6 +35,7 @@ def tiny(tmp_path_factory):
     return model_dir, root / "text.txt", root
 
 
+@pytest.mark.slow  # the yardstick end to end, three schemes: minutes on 2 cores
 def test_cli_writes_table_json_and_png(tiny, capsys):
     model_dir, text, root = tiny
     argv = ["--model", str(model_dir), "--text-file", str(text), "--kv-cache-dtype", "kivi2,kivi4",
@@ -66,6 +67,7 @@ def test_cli_writes_table_json_and_png(tiny, capsys):
     assert (root / "q.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # the yardstick end to end, every scheme x policy x retention
 def test_cli_eviction_rows(tiny):
     """Every scheme x (policy, retention); retention 1 keeps every pair: the plain numbers
     (without a residual window: compaction rewrites the groups and drops the window in
@@ -121,6 +123,7 @@ class _OneServerPerPolicy(quality.HFEngine):
         return super().greedy_variants(ids, n, chunk, policies, references)
 
 
+@pytest.mark.slow  # the yardstick end to end, twice
 def test_cli_eviction_one_engine_per_policy(tiny, monkeypatch):
     """Engines that cannot share a prefill across policies get one instance per policy;
     the rows are the shared-prefill engine's."""
@@ -158,6 +161,7 @@ def test_module_help_runs():
         assert flag in r.stdout
 
 
+@pytest.mark.slow  # the yardstick end to end
 def test_scheme_params_reach_the_codecs_and_codebooks_are_recorded(tiny, tmp_path):
     """--scheme-params: an RVQ codebook file (random codes, made for the tiny model) and a
     codec override reach the scheme; the row records the file."""
