@@ -38,7 +38,7 @@ def test_paged_path_equals_the_transformers_cache(model_dir, scheme):
 @pytest.mark.slow  # SmolLM2 through the paged forward on the CPU
 def test_gpu_script_dry_run():
     r = subprocess.run(["bash", "bench/gpu.sh", "--dry-run"], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "pytest" in r.stdout and "bench.paged_forward --device cuda" in r.stdout
 
