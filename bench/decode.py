@@ -26,14 +26,13 @@ import argparse
 import http.client
 import json
 import os
-import platform
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
 
-from bench import portable
+from bench import machine, portable
 from bench.plotting import pyplot, save
 from bench.server import Server, measurement_server
 from bench.vllm_engine import model_geometry
@@ -132,7 +131,7 @@ def measure(args) -> dict:
     ref = args.dtypes[0]
     return dict(
         command=portable.command([sys.executable, "-m", "bench.decode", *sys.argv[1:]], [model_dir]),
-        machine=dict(cpu=_cpu_name(), cores=os.cpu_count(), platform=platform.platform()),
+        machine=machine.describe(),
         model=portable.model_name(model_dir), geometry=geo, batch=args.batch,
         prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens, chunk=args.chunk, kv_space_gib=args.kv_space_gib,
@@ -140,16 +139,6 @@ def measure(args) -> dict:
         rounds=rounds, median_decode_tokens_per_s=median,
         ratio_to_reference={d: median[d] / median[ref] for d in args.dtypes},
         reference=ref)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def plot(result: dict, path: Path) -> None:

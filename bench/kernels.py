@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -46,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench import portable
+from bench import machine, portable
 from bench.plotting import pyplot, save
 from vllm_lowbit_kv.ops import AUTO_ORDER, IMPLEMENTATIONS, implementation, unsupported_reason
 from vllm_lowbit_kv.paged import PagedLayout
@@ -66,13 +65,7 @@ POOL_GROUPS = 256  # distinct encoded groups the pages are filled from
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+    return machine.cpu_name()
 
 
 def sync(device: torch.device) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from bench import machine
 from vllm_lowbit_kv.ops import select_implementation
 from vllm_lowbit_kv.paged import PagedLayout, Staging, StagingAllocator, forward_layer
 from vllm_lowbit_kv.schemes import KVScheme, get_scheme
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(json.dumps(r))
     if args.json:
-        dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
+        dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else machine.cpu_name()
         Path(args.json).write_text(json.dumps(dict(
             command="python -m bench.paged_forward " + shlex.join(sys.argv[1:] if argv is None else argv),
             model=Path(model_dir).name, device_name=dev, rows=rows,

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -39,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from bench import machine
 
 GB = 1e9
 LAYERS, KV_HEADS, HEAD_DIM, PARAMS = 80, 8, 128, 70.6e9
@@ -175,12 +175,6 @@ def plot(rows: list[dict], path: str) -> None:
     save(fig, path)
 
 
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
 
 def main(argv: Sequence[str] | None = None) -> str | list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -204,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> str | list[dict]:
         Path(args.json).write_text(json.dumps(dict(
             command="python -m bench.scale_out " + " ".join(argv), model="SmolLM2-135M-Instruct",
             server_args=SERVER_ARGS, parallel=PARALLEL, drift_limit_nats=DRIFT_LIMIT_NATS,
-            machine=dict(cpu=_cpu_name(), cores=os.cpu_count()), rows=rows,
+            machine=machine.describe(), rows=rows,
             elapsed_s=round(time.time() - t0, 1)), indent=1))
     if args.png:
         plot(rows, args.png)
