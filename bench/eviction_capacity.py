@@ -1,7 +1,8 @@
 """Concurrent requests one fixed KV budget holds, with and without eviction.
 
     python -m bench.eviction_capacity                  # computed table + the server measurement
-    python -m bench.eviction_capacity --no-measure     # computed table only (seconds)
+    python -m bench.eviction_capacity --no-measure     # computed table only (seconds; printed,
+                                                       # written only with --json/--png)
 
 Computed (exact for the vLLM engine, from the real page layout byte sizes):
 for each dtype, vLLM's block count at ``--kv-space-gib`` is
@@ -39,6 +40,7 @@ from bench import portable
 from bench.plotting import pyplot, save
 
 GIB = 1 << 30
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,8 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure-gen", type=int, default=64)
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--model", default=None)
-    p.add_argument("--json", default="bench/results/eviction_capacity.json")
-    p.add_argument("--png", default="bench/results/eviction_capacity.png")
+    # --no-measure writes only where told: its result would drop the committed measurement
+    p.add_argument("--json", default=None, help="default: bench/results/eviction_capacity.json "
+                                                "when measuring, none with --no-measure")
+    p.add_argument("--png", default=None, help="as --json, .png")
     return p
 
 
@@ -216,9 +220,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
             print(f"measured {args.measure_dtype} eviction={m['eviction']}: max running "
                   f"{m['max_running']} of {m['requests']}, preemptions {m['preemptions']}, "
                   f"{m['wall_s']} s")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1))
-    plot(result, args.png)
+    if not args.no_measure:
+        args.json = args.json or str(RESULTS / "eviction_capacity.json")
+        args.png = args.png or str(RESULTS / "eviction_capacity.png")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.png:
+        plot(result, args.png)
     return result
 
 
