@@ -202,15 +202,17 @@ register(KVScheme("kivi4", "KIVI 4-bit: K per-channel, V per-token",
 VIDKV_KEY = CodecSpec(VidKVKeyCodec, {"k": 0.5, "fft": True})
 VIDKV_VALUE = {"gamma": 0.7, "protect": 0.0}
 # vidkv: the best VidKV configuration at <= 2.25 bits per element at 8K tokens, picked
-# by the yardstick (bench/results/quality_tuning_hf.md): 4 exact sink tokens bring most
-# of the quality back (PPL 1.44x -> 1.08x bf16), a 64-token residual window and the
-# Hadamard rotation the rest of what the budget allows (1.04x); 1024-token pages pay
-# the sink area once per 1024 tokens (pages 1.996 bits, 2.246 at 8K with staging).
+# by the yardstick: 4 exact sink tokens bring most of the quality back (PPL 1.44x ->
+# 1.08x bf16, bench/results/quality_tuning_hf.md) and a 64-token residual window what
+# the budget allows beyond; 1024-token pages pay the sink area once per 1024 tokens
+# (pages 1.996 bits, 2.246 at 8K with staging). No rotation: the Hadamard rotation
+# lowers perplexity a little more (1.056x -> 1.038x) but costs passkey retrieval
+# (bench/results/quality_vllm.md): spread over every channel, the outliers' range
+# coarsens the small channels that retrieval reads.
 register(KVScheme("vidkv", "VidKV: K 1.5-bit (range-selected 2/1-bit, FFT), V ternary "
-                           "per-channel; 4 exact sink tokens, 64-token residual window, "
-                           "Hadamard-rotated",
+                           "per-channel; 4 exact sink tokens, 64-token residual window",
                   VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), sink_tokens=4,
-                  residual_tokens=64, page_tokens=1024, rotate="hadamard"))
+                  residual_tokens=64, page_tokens=1024))
 register(KVScheme("vidkv_paper", "VidKV as in the paper: K 1.5-bit FFT, V ternary per-channel, "
                                  "full-precision residual of the last 128 tokens, no sinks",
                   VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), residual_tokens=128))
