@@ -66,6 +66,7 @@ class ServerRefused(RuntimeError):
 def refusal_reason(log: str) -> str:
     """The most telling line of a failed start-up log."""
     for pat in (r"(--kv-cache-dtype \S+ cannot serve[^\n]*)", r"(invalid choice:[^\n]*)",
+                r"(\w*Error: lowbit-kv: [^\n']*)",  # ours, not the engine's "see root cause above"
                 r"((?:ValueError|TypeError|RuntimeError|ValidationError|AssertionError)[^\n]*)",
                 r"(error:[^\n]*)"):
         hits = re.findall(pat, log)

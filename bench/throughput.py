@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", default="1024,4096", help="min,max prompt length (tokens)")
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--rates", default="0.05,inf", help="requests/s, comma-separated; inf = all at once")
-    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default: --requests (no more run at once; a packed scheme's staging, "
+                        "sized for this many sequences, is paid from the KV budget)")
     p.add_argument("--max-model-len", type=int, default=4224, help="4096 + 128: what the budget holds")
     p.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -328,6 +330,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for k, v in QUICK.items():
             if f"--{k.replace('_', '-')}" not in given:
                 setattr(args, k, v)
+    if args.max_num_seqs is None:
+        args.max_num_seqs = args.requests
     if args.model is None:
         from vllm_lowbit_kv.model import prepare_model
         args.model = str(prepare_model())

@@ -98,6 +98,11 @@ def test_refusal_reason():
     log = ("INFO starting\nERROR Traceback\nValueError: --kv-cache-dtype vidkv_stp cannot serve this "
            "model: scheme needs STP. Refusing to start rather than serve wrong outputs.\nmore\n")
     assert refusal_reason(log).startswith("--kv-cache-dtype vidkv_stp cannot serve this model: scheme")
+    engine = ("ERROR ValueError: lowbit-kv: staging needs 90.0 MiB but the KV cache budget is only "
+              "48.0 MiB\nERROR RuntimeError: Worker failed with error 'lowbit-kv: staging needs 90.0 "
+              "MiB but the KV cache budget is only 48.0 MiB', please check\nRuntimeError: Engine "
+              "core initialization failed. See root cause above.\n")
+    assert refusal_reason(engine) == "ValueError: lowbit-kv: staging needs 90.0 MiB but the KV cache budget is only 48.0 MiB"
     assert "invalid choice: 'x'" in refusal_reason("usage: ...\nerror: argument --kv-cache-dtype: "
                                                    "invalid choice: 'x' (choose from a, b)\n")
     assert refusal_reason("") == "no output"

@@ -54,6 +54,7 @@ first), the reference last.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -123,6 +124,12 @@ def requested_implementation(configured: str | None = None) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    """Log a selection once: every layer of a model selects alike."""
+    logger.info(message)
+
+
 def select_implementation(page: PageFormat | PageGeometry, device: torch.device | str,
                           requested: str | None = None, gqa: int = 1
                           ) -> tuple[str, PackedAttention]:
@@ -143,7 +150,7 @@ def select_implementation(page: PageFormat | PageGeometry, device: torch.device 
         reason = unsupported_reason(name, fmt, device, gqa)
         if reason is None:
             if skipped:
-                logger.info("lowbit-kv: packed attention uses %r (%s)", name, "; ".join(skipped))
+                _log_once(f"lowbit-kv: packed attention uses {name!r} ({'; '.join(skipped)})")
             return name, implementation(name)
         skipped.append(f"{name}: {reason}")
     raise ValueError(f"no packed-attention implementation runs on {device}: "
