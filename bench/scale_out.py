@@ -175,7 +175,6 @@ def plot(rows: list[dict], path: str) -> None:
     save(fig, path)
 
 
-
 def main(argv: Sequence[str] | None = None) -> str | list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m bench.scale_out", description=__doc__.splitlines()[0])

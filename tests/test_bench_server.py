@@ -102,7 +102,8 @@ def test_refusal_reason():
               "48.0 MiB\nERROR RuntimeError: Worker failed with error 'lowbit-kv: staging needs 90.0 "
               "MiB but the KV cache budget is only 48.0 MiB', please check\nRuntimeError: Engine "
               "core initialization failed. See root cause above.\n")
-    assert refusal_reason(engine) == "ValueError: lowbit-kv: staging needs 90.0 MiB but the KV cache budget is only 48.0 MiB"
+    assert refusal_reason(engine) == ("ValueError: lowbit-kv: staging needs 90.0 MiB but the KV cache "
+                                      "budget is only 48.0 MiB")
     assert "invalid choice: 'x'" in refusal_reason("usage: ...\nerror: argument --kv-cache-dtype: "
                                                    "invalid choice: 'x' (choose from a, b)\n")
     assert refusal_reason("") == "no output"
