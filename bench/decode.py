@@ -32,12 +32,10 @@ import threading
 import time
 from pathlib import Path
 
-from bench import machine, portable
+from bench import RESULTS, machine, portable
 from bench.plotting import pyplot, save
 from bench.server import Server, measurement_server
 from bench.vllm_engine import model_geometry
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def prompts(model_dir: str, batch: int, n: int) -> list[list[int]]:

@@ -36,11 +36,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import portable
+from bench import RESULTS, portable
 from bench.plotting import pyplot, save
 
 GIB = 1 << 30
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -45,13 +45,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench import machine, portable
+from bench import RESULTS, machine, portable
 from bench.plotting import pyplot, save
 from vllm_lowbit_kv.ops import AUTO_ORDER, IMPLEMENTATIONS, implementation, unsupported_reason
 from vllm_lowbit_kv.paged import PagedLayout
 from vllm_lowbit_kv.schemes import get_scheme
 
-RESULTS = Path(__file__).resolve().parent / "results"
 #: (contexts, batches, most tokens per cell) per device type; the CPU grid is what a
 #: 2-core machine measures in minutes, the GPU grid the issue's full one
 GRIDS = {
