@@ -62,12 +62,17 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
     """Float32 attention with an additive mask, and its log-sum-exp.
 
     q [B, Q, Hq, D]; k, v [B, E, H, D]; bias [B, 1, Q, E] (every row attends to one key
-    at least) -> out [B, Q, Hq, D], lse [B, Q, Hq].
+    at least) -> out [B, Q, Hq, D], lse [B, Q, Hq]. The G = Hq / H query heads of a KV
+    head are folded into its rows (row g*Q + i is head h*G+g at query i), so K and V
+    are read as stored, never copied G times.
     """
-    G = q.shape[2] // k.shape[2]
-    q = q.float().transpose(1, 2)
-    k = k.float().repeat_interleave(G, dim=2).transpose(1, 2)
-    v = v.float().repeat_interleave(G, dim=2).transpose(1, 2)
+    B, Q, Hq, D = q.shape
+    H = k.shape[2]
+    G = Hq // H
+    q = q.float().transpose(1, 2).reshape(B, H, G * Q, D)
+    k = k.float().transpose(1, 2)
+    v = v.float().transpose(1, 2)
+    bias = bias.repeat(1, 1, G, 1)
     if q.device.type == "cpu":  # fused, no [Q, E] score matrix (prefill chunks)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=bias, scale=scale)
@@ -75,7 +80,8 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale + bias
         lse = torch.logsumexp(scores, dim=-1)
         out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
-    return out.transpose(1, 2), lse.transpose(1, 2)
+    return (out.reshape(B, Hq, Q, D).transpose(1, 2),
+            lse.reshape(B, Hq, Q).transpose(1, 2))
 
 
 def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
