@@ -52,9 +52,9 @@ def attention_mass(q_win: torch.Tensor, first_pos: int, keys: torch.Tensor, scal
 def read_staged(buf: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` tokens of the runs ``slots`` [..., S] of staging ``buf`` [slots, T,
     ...] (slot after slot): [..., n, ...] float32."""
-    run = buf[slots]  # [..., S, T, H, D]
-    lead = slots.dim() - 1
-    return run.reshape(*run.shape[:lead], -1, *run.shape[lead + 2:])[..., :n, :, :].float()
+    # index_select on whole slots: a row copy each, far cheaper than advanced indexing
+    run = buf.flatten(1).index_select(0, slots.flatten().to(buf.device))
+    return run.view(*slots.shape[:-1], -1, *buf.shape[2:])[..., :n, :, :].float()
 
 
 def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
