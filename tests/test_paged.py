@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from vllm_lowbit_kv.hf_cache import LowBitLayer
+from vllm_lowbit_kv.hf_cache.layer import VisualTokens
 from vllm_lowbit_kv.paged import (PagedLayout, Staging, StagingAllocator, apply_writes, attend,
                                   attention_mass, forward_layer)
 from vllm_lowbit_kv.schemes import get_scheme
@@ -52,10 +53,10 @@ def fake_quant(layout, k_seq, v_seq, sinks=0, upto=None, window=0):
 
 
 def run_schedule(layout, pages, staging, alloc, seqs, tables, schedule, obs_window=None,
-                 on_step=None, packed_attention=None, forward=forward_layer):
+                 on_step=None, packed_attention=None, forward=forward_layer, visual=None):
     """Drive requests through steps of per-request token counts; return outputs per step
     (the packed context through ``packed_attention``, default the reference; each layer
-    step through ``forward``)."""
+    step through ``forward``; ``visual``: each request's visual token positions)."""
     bs = layout.block_size
     done = [0] * len(seqs)
     outs = []
@@ -77,7 +78,8 @@ def run_schedule(layout, pages, staging, alloc, seqs, tables, schedule, obs_wind
             continue
         key, value, query = torch.cat(keys), torch.cat(vals), torch.cat(qrys)
         bt = torch.stack([tables[r] for r in rows])
-        wp, rp = alloc.plan_step(torch.cat(slots), seq_lens, qs, bt, layout.groups_per_block)
+        wp, rp = alloc.plan_step(torch.cat(slots), seq_lens, qs, bt, layout.groups_per_block,
+                                 visual=None if visual is None else [visual[r] for r in rows])
         out = torch.zeros(query.shape)
         forward(wp, rp, layout, query, key, value, pages, staging, D ** -0.5, out,
                 obs_window, packed_attention)
@@ -246,10 +248,16 @@ def test_attention_mass_matches_hf_definition():
     torch.testing.assert_close(got.T, want, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("obs_window", [8, 16])
-def test_stp_pages_equal_hf_yardstick(obs_window):
+#: visual token positions of the three requests of the STP tests: an image across
+#: groups, a request whose groups hold fewer visual tokens than they protect, text only
+VISUAL = [torch.arange(5, 61), torch.tensor([17, 18, 40]), None]
+
+
+@pytest.mark.parametrize("obs_window,visual", [(8, None), (16, None), (8, VISUAL)])
+def test_stp_pages_equal_hf_yardstick(obs_window, visual):
     """vidkv_stp through paged (three requests batched, chunked prefill, decode) gives the
-    very bytes the transformers yardstick stores for each sequence alone."""
+    very bytes the transformers yardstick stores for each sequence alone, with and
+    without visual tokens marked; marked, a group protects visual tokens first."""
     torch.manual_seed(3)
     T, slots = 16, 4
     layout, pages, staging, alloc = make("vidkv_stp", T=T, slots=slots, q_heads=HQ)
@@ -259,12 +267,18 @@ def test_stp_pages_equal_hf_yardstick(obs_window):
     seqs = [(rnd(L, H, D), rnd(L, H, D), rnd(L, HQ, D)) for L in lens]
     schedule = [[20, 30, 3], [40, 5, 0], [3, 1, 17], [30, 1, 0]] + [[1, 1, 0]] * 18
     done, _ = run_schedule(layout, pages, staging, alloc, seqs, tables, schedule,
-                           obs_window=obs_window)
+                           obs_window=obs_window, visual=visual)
     assert done == lens
     scale = D ** -0.5
+    kc, vc = get_scheme("vidkv_stp").codecs(D, T)
     for r, (k, v, q) in enumerate(seqs):
-        kc, vc = get_scheme("vidkv_stp").codecs(D, T)
-        hf = LowBitLayer(0, kc, vc, T, relevance="attention", obs_window=obs_window)
+        marks = VisualTokens()
+        if visual is not None and visual[r] is not None:
+            is_visual = torch.zeros(1, lens[r], dtype=torch.bool)
+            is_visual[0, visual[r]] = True
+            marks.mark(0, is_visual)
+        hf = LowBitLayer(0, kc, vc, T, relevance="attention", obs_window=obs_window,
+                         visual=marks)
         pos = 0
         for step in schedule:
             n = min(step[r], lens[r] - pos)
@@ -285,6 +299,16 @@ def test_stp_pages_equal_hf_yardstick(obs_window):
         ours_v = states[..., layout.format.k_bytes:layout.format.k_bytes + layout.format.v_bytes]
         assert torch.equal(ours_k, hf.packed_k[0]), r
         assert torch.equal(ours_v, hf.packed_v[0]), r
+        if visual is None or visual[r] is None:
+            continue
+        # every group protects min(n_protect, its visual tokens) visual tokens, per head
+        prot = vc.protected_tokens(ours_v)  # [groups, H, T]
+        is_vis = torch.zeros(n_groups * T, dtype=torch.bool)
+        is_vis[visual[r][visual[r] < n_groups * T]] = True
+        is_vis = is_vis.reshape(n_groups, 1, T)
+        want = is_vis.sum(-1).clamp(max=vc.n_protect).expand(-1, H)
+        assert torch.equal((prot & is_vis).sum(-1), want), r
+        assert bool((want > 0).any())
 
 
 def test_prefix_hit_inside_another_window_reads_the_pages():

@@ -311,6 +311,14 @@ class _STPCodec(BlockCodec):
         })
         return self.layout().join(parts)
 
+    def protected_tokens(self, packed: torch.Tensor) -> torch.Tensor:
+        """bool [..., T]: the tokens each packed group [..., nbytes] protects (STP)."""
+        if not self.n_protect:
+            return torch.zeros(*packed.shape[:-1], self.block_tokens, dtype=torch.bool)
+        mask = self.layout().split(packed.reshape(-1, packed.shape[-1]))["tok_mask"]
+        return unpack_bits(mask, 1, self.block_tokens).bool().reshape(
+            *packed.shape[:-1], self.block_tokens)
+
     def decode_groups(self, packed: torch.Tensor) -> torch.Tensor:
         G, T, D, n_p = packed.shape[0], self.block_tokens, self.head_dim, self.n_protect
         f = self.layout().split(packed)

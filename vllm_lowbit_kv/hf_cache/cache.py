@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 from ..codecs.base import ModelIdentity, require
 from ..schemes import KVScheme, get_scheme
 from .hooks import RELEVANCE_MODES, RelevanceFn, install_query_hooks, use_compacted_attention
-from .layer import LowBitLayer
+from .layer import LowBitLayer, VisualTokens
 
 if TYPE_CHECKING:
     from ..eviction import EvictionPlan, EvictionPolicy
@@ -76,6 +76,7 @@ class LowBitKVCache(Cache):
             if self.scheme else []
         if reasons:
             raise ValueError(f"scheme {self.scheme.name}: " + "; ".join(reasons))
+        self.visual = VisualTokens()
         layers = []
         for i in range(n_layers):
             if i in self.skip_layers:
@@ -86,12 +87,19 @@ class LowBitKVCache(Cache):
                 i, kc, vc, self.block_tokens, self.sink_tokens, relevance, obs_window,
                 attend_new_exact, evictable,
                 self.residual_tokens if kc is not None else 0,
-                self.scheme.rotation(head_dim, i) if kc is not None else None))
+                self.scheme.rotation(head_dim, i) if kc is not None else None, self.visual))
         self.records_queries = any(layer.wants_queries for layer in layers)
         if self.records_queries:
             require(model is not None, "model", "given for relevance='attention'", None)
             install_query_hooks(model)
         super().__init__(layers=layers)
+
+    def mark_visual(self, mask: torch.Tensor) -> None:
+        """Mark which tokens of the next forward are visual (image or video-frame
+        placeholders): ``mask`` [B, S] bool, e.g. ``input_ids == config.image_token_id``.
+        STP then protects a group's most relevant visual tokens first, as the vLLM backend
+        does with the placeholder positions vLLM gives it; unmarked tokens are text."""
+        self.visual.mark(self.get_seq_length(), mask)
 
     @property
     def effective_bits(self) -> float:

@@ -8,9 +8,34 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ..codecs.base import BlockCodec, require
-from ..paged import SINK_RELEVANCE, attention_mass, mask_sink_rows
+from ..paged import SINK_RELEVANCE, attention_mass, mask_sink_rows, visual_first
 from ..rotation import HadamardRotation
 from .hooks import RelevanceFn
+
+class VisualTokens:
+    """Which positions of each sequence are visual (image, video-frame) tokens, marked
+    before the forward that feeds them; one record shared by a cache's layers."""
+
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None  # bool [B, positions marked so far]
+
+    def mark(self, start: int, mask: torch.Tensor) -> None:
+        """``mask`` [B, S] bool: positions start..start+S-1 (unmarked ones stay text)."""
+        B, S = mask.shape
+        old = self.mask if self.mask is not None else torch.zeros(B, 0, dtype=torch.bool)
+        if old.shape[1] < start + S:
+            old = torch.cat([old, old.new_zeros(B, start + S - old.shape[1])], dim=1)
+        old[:, start:start + S] = mask.to("cpu", torch.bool)
+        self.mask = old
+
+    def between(self, start: int, end: int, batch: int) -> torch.Tensor:
+        """bool [batch, end - start]: positions start..end-1."""
+        out = torch.zeros(batch, end - start, dtype=torch.bool)
+        if self.mask is not None:
+            part = self.mask[:, start:end]
+            out[:, :part.shape[1]] = part
+        return out
+
 
 class LowBitLayer(DynamicLayer):
     """One layer's K/V: sinks and tail in the model dtype, full blocks packed by codecs."""
@@ -20,8 +45,11 @@ class LowBitLayer(DynamicLayer):
     def __init__(self, layer_idx: int, key_codec: BlockCodec | None, value_codec: BlockCodec | None,
                  block_tokens: int, sink_tokens: int = 0, relevance: str | RelevanceFn = "none",
                  obs_window: int = 32, attend_new_exact: bool = True, evictable: bool = False,
-                 residual_tokens: int = 0, rotation: HadamardRotation | None = None):
+                 residual_tokens: int = 0, rotation: HadamardRotation | None = None,
+                 visual: VisualTokens | None = None):
         super().__init__()
+        #: the cache's visual-token marks: STP protects visual tokens first
+        self.visual = visual
         require(isinstance(residual_tokens, int) and residual_tokens >= 0
                 and (residual_tokens == 0 or residual_tokens % block_tokens == 0), "residual_tokens",
                 f"a multiple of block_tokens ({block_tokens}), >= 0", residual_tokens)
@@ -231,6 +259,11 @@ class LowBitLayer(DynamicLayer):
             m = n_full * self.block_tokens
             start = self.n_blocks * self.block_tokens
             rel = self._relevance(full_k, full_v, start, start + m)
+            if rel is not None and self.visual is not None:
+                B, n = rel.shape[0], m // self.block_tokens  # ranked per group, as the pages
+                vis = self.visual.between(start, start + m, B).reshape(B * n, -1)
+                rel = visual_first(rel.reshape(B * n, self.block_tokens, -1),
+                                   vis.to(rel.device)).reshape(rel.shape)
             keys, values = self.keys[:, :, :m], self.values[:, :, :m]
             s = min(self.sink_tokens, self.block_tokens)
             if start == 0 and s:  # group 0, as the pages code it: sink rows never count

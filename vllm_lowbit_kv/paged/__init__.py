@@ -56,7 +56,10 @@ over the query heads sharing the KV head. This is the definition of
 :mod:`vllm_lowbit_kv.hf_cache` (forward = the request's chunk in this step).
 With ``obs_window <= T`` the window's queries from earlier steps always belong
 to the group being completed, so the staging slot keeps each staged token's
-query alongside its K and V.
+query alongside its K and V. In a multimodal request the planner is told its
+visual (image, video-frame) token positions: a group protects its most relevant
+visual tokens first, text tokens only with the rows left (:func:`visual_first`,
+VidKV's rule), in both engines.
 
 Each step: :meth:`StagingAllocator.plan_step` (once, for all layers) gives a
 :class:`ReadPlan` (each request's context, as stored before this step) and a
@@ -66,7 +69,7 @@ Each step: :meth:`StagingAllocator.plan_step` (once, for all layers) gives a
 
 from .attention import attend, attention_mass, context_keys, exact_attention, read_staged
 from .forward import forward_layer
-from .layout import SINK_RELEVANCE, PagedLayout, mask_sink_rows
+from .layout import SINK_RELEVANCE, PagedLayout, mask_sink_rows, visual_first
 from .plan import ExactBatch, ReadPlan, StagingAllocator, WritePlan, make_read_plan
 from .write import Staging, apply_writes, encode_groups, stage_tokens
 
@@ -74,5 +77,5 @@ __all__ = [
     "ExactBatch", "PagedLayout", "ReadPlan", "SINK_RELEVANCE", "Staging",
     "StagingAllocator", "WritePlan", "apply_writes", "attend", "attention_mass", "context_keys",
     "encode_groups", "exact_attention", "forward_layer", "make_read_plan", "mask_sink_rows",
-    "read_staged", "stage_tokens",
+    "read_staged", "stage_tokens", "visual_first",
 ]

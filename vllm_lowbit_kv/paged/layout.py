@@ -14,6 +14,19 @@ from ..rotation import HadamardRotation
 SINK_RELEVANCE = -1.0
 
 
+def visual_first(relevance: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
+    """STP relevance [E, T, H] with the visual tokens (``visual`` [E, T] bool) ranked above
+    every text token and in their own order among themselves: VidKV protects the visual
+    tokens most attended by the text (VidKV eq. 7); text tokens win only the protected
+    rows a group has left over. One definition for the pages and the transformers cache,
+    so the two store the same bytes."""
+    if not bool(visual.any()):
+        return relevance
+    # per group, so a group ranks alike however many groups are encoded with it
+    lift = relevance.amax(dim=(1, 2), keepdim=True).clamp(min=0) + 1.0
+    return relevance + visual.unsqueeze(-1).to(relevance.dtype) * lift
+
+
 class PagedLayout:
     """A layer's pages: their :class:`~vllm_lowbit_kv.ops.PageFormat` (the group states, the
     one description every kernel reads), the sink area in the model dtype, the rotation of

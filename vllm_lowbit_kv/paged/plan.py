@@ -37,6 +37,8 @@ class WritePlan:
     sink_tok: torch.Tensor
     sink_block: torch.Tensor
     sink_pos: torch.Tensor
+    # [E, T] bool: visual (image, video-frame) tokens of the completed groups; None: none
+    enc_visual: torch.Tensor | None = None
 
     @property
     def empty(self) -> bool:
@@ -78,6 +80,23 @@ class ExactBatch:
 
 
 EMPTY_INDEX = torch.empty(0, dtype=torch.long)
+
+
+def _visual_mask(visual: list[torch.Tensor | None] | None, enc_req: torch.Tensor,
+                 enc_start: torch.Tensor, T: int) -> torch.Tensor | None:
+    """[E, T] bool: which tokens of each completed group are visual (None: no group has
+    one). Every completed group of a request with visual tokens must know its request
+    and position: a group encoded without its mask would protect the wrong tokens."""
+    if not visual or all(v is None or v.numel() == 0 for v in visual):
+        return None
+    mask = torch.zeros(enc_req.numel(), T, dtype=torch.bool)
+    for e, (r, start) in enumerate(zip(enc_req.tolist(), enc_start.tolist())):
+        if r < 0 or start < 0:
+            raise RuntimeError("lowbit-kv: a completed group of a step with visual tokens has "
+                               "no known request or position; refusing to encode it unmarked")
+        if visual[r] is not None:
+            mask[e] = torch.isin(torch.arange(start, start + T), visual[r])
+    return mask if bool(mask.any()) else None
 
 
 def _empty_write_plan() -> WritePlan:
@@ -239,13 +258,15 @@ class StagingAllocator:
 
     # -- one step ---------------------------------------------------------------
     def plan_step(self, slot_mapping: torch.Tensor, seq_lens: list[int], query_start: list[int],
-                  block_table: torch.Tensor, groups_per_block: int, owners: list | None = None
-                  ) -> tuple[WritePlan, ReadPlan]:
+                  block_table: torch.Tensor, groups_per_block: int, owners: list | None = None,
+                  visual: list[torch.Tensor | None] | None = None) -> tuple[WritePlan, ReadPlan]:
         """Plan one step: the context each request reads (as stored before the step),
         then where the fresh tokens go. ``slot_mapping`` [tokens] (-1 = padding),
         ``seq_lens`` [R], ``query_start`` [R+1], ``block_table`` [R, max_blocks];
         ``owners`` [R]: a key per request row that stays the request's for its life
-        (vLLM's request id; default its first block, which prefix caching may share)."""
+        (vLLM's request id; default its first block, which prefix caching may share);
+        ``visual`` [R]: each request's visual token positions (int64, any order), None
+        for a text-only request."""
         R = len(seq_lens)
         bt = block_table.to("cpu", torch.long)[:R]
         if owners is None:
@@ -258,7 +279,7 @@ class StagingAllocator:
         positions = ctx[req] + torch.arange(n) - torch.tensor(query_start[:-1])[req]
         write = self.plan_writes(slot_mapping[:n], positions=positions, req=req,
                                  first_block=torch.tensor(read.first_block, dtype=torch.long),
-                                 owners=owners, seq_lens=seq_lens)
+                                 owners=owners, seq_lens=seq_lens, visual=visual)
         return write, read
 
     def plan_reads(self, seq_lens: list[int], query_start: list[int], block_table: torch.Tensor,
@@ -303,12 +324,14 @@ class StagingAllocator:
 
     def plan_writes(self, slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
                     req: torch.Tensor | None = None, first_block: torch.Tensor | None = None,
-                    owners: list | None = None, seq_lens: list[int] | None = None) -> WritePlan:
+                    owners: list | None = None, seq_lens: list[int] | None = None,
+                    visual: list[torch.Tensor | None] | None = None) -> WritePlan:
         """Plan one step's writes from vLLM's per-token slot mapping (CPU, -1 = padding).
 
         ``positions``/``req`` (per token: position in its sequence, request row) and
         ``first_block`` (per request) are needed for sinks and relevance; with them,
-        ``owners`` and ``seq_lens`` (per request) for the residual window.
+        ``owners`` and ``seq_lens`` (per request) for the residual window, and
+        ``visual`` (per request, as in :meth:`plan_step`) for the visual-token mask.
         """
         T, W = self.T, self.window_groups
         windowed = W > 0 and positions is not None and req is not None
@@ -409,4 +432,5 @@ class StagingAllocator:
             enc_tok=tok[tok_comp], enc_row=row_of[inv[tok_comp]], enc_off=off[tok_comp],
             enc_req=enc_req, enc_start=enc_start, enc_sink=enc_sink,
             sink_tok=sink_tok, sink_block=sink_block, sink_pos=sink_pos,
+            enc_visual=_visual_mask(visual, enc_req, enc_start, T),
         )
