@@ -38,14 +38,19 @@ from; none is invented:
   evicted pairs are added up (:func:`merge_ranks`), so the figures are the
   whole engine's. Evicted pairs count the K/V pairs (token x KV head x layer)
   each compaction dropped (:func:`vllm_lowbit_kv.vllm.eviction.evicted_pairs`),
-  ``enabled: false`` when no eviction policy is configured.
+  ``enabled: false`` when no eviction policy is configured. Visual tokens
+  (multimodal requests): image and video-frame tokens encoded into pages and
+  those STP protected, counted once per token; every rank sees the same
+  tokens, so rank 0's figures stand for the engine.
 
 Gauges (labels ``model_name``, ``kv_cache_dtype``), each figure of the route:
 ``lowbit_kv:effective_bits{part=groups|pages|overall|allocated}``,
 ``lowbit_kv:capacity_tokens``, ``lowbit_kv:capacity_bf16_equivalent_tokens``,
 ``lowbit_kv:kv_cache_bytes``, ``lowbit_kv:blocks_total``, ``lowbit_kv:blocks_used``,
 ``lowbit_kv:blocks_free``, ``lowbit_kv:staging_slots_total``,
-``lowbit_kv:staging_slots_in_use``, ``lowbit_kv:evicted_pairs_total`` (counter).
+``lowbit_kv:staging_slots_in_use``, ``lowbit_kv:evicted_pairs_total``,
+``lowbit_kv:visual_encoded_tokens_total``, ``lowbit_kv:visual_protected_tokens_total``
+(counters).
 A figure that is unknown (e.g. no engine step yet) is left out rather than
 reported as 0. One API server process (vLLM's default): with
 ``--api-server-count > 1`` vLLM exports metrics from files and these are absent.
@@ -142,6 +147,11 @@ class Eviction(BaseModel):
     evicted_pairs: int = Field(description="K/V pairs dropped (token x KV head x layer)")
 
 
+class Visual(BaseModel):
+    encoded_tokens: int = Field(description="image and video-frame tokens written into pages")
+    protected_tokens: int = Field(description="of those, tokens STP kept at higher precision")
+
+
 class KVCacheStats(BaseModel):
     model: str
     kv_cache_dtype: str
@@ -153,6 +163,8 @@ class KVCacheStats(BaseModel):
     blocks: Blocks
     staging: Staging | None = Field(description="None for vLLM's own dtypes (no staging)")
     eviction: Eviction | None
+    visual: Visual | None = Field(description="multimodal requests' visual tokens (every rank "
+                                  "sees the same tokens: rank 0's figures)")
     workers: int | None = Field(None, description="worker ranks whose figures are added up "
                                 "(tensor x pipeline parallel size)")
     worker_error: str | None = Field(None, description="why the worker figures are stale")
@@ -314,18 +326,21 @@ class KVStats:
         elif len(self.latest_scheduler) > 1:
             blocks = blocks.model_copy(update=dict(
                 source="unavailable: several engines (data parallel) share num_gpu_blocks"))
-        staging = eviction = None
+        staging = eviction = visual = None
         if w and self.lowbit:
             staging = Staging(pools=w["staging_pools"], slots_total=w["staging_slots_total"],
                               slots_in_use=w["staging_slots_in_use"],
                               stale_reused=w["staging_stale_reused"],
                               age_s=round(now - self.worker_t, 3))
             eviction = Eviction(enabled=w["eviction_enabled"], evicted_pairs=w["evicted_pairs"])
+            visual = Visual(encoded_tokens=w["visual_tokens"],
+                            protected_tokens=w["visual_tokens_protected"])
         return KVCacheStats(
             model=self.model, kv_cache_dtype=self.kv_cache_dtype, model_dtype=self.model_dtype,
             lowbit=self.lowbit, scheme=self.scheme_info,
             effective_bits=EffectiveBits(**self.bits, allocated=allocated), capacity=capacity,
-            blocks=blocks, staging=staging, eviction=eviction, workers=w.get("ranks"),
+            blocks=blocks, staging=staging, eviction=eviction, visual=visual,
+            workers=w.get("ranks"),
             worker_error=self.worker_error)
 
 
@@ -373,6 +388,12 @@ class KVStatsCollector:
         if s.eviction is not None:
             ev.add_metric(values, float(s.eviction.evicted_pairs))
         yield ev
+        for name, doc in (("encoded_tokens", "image and video-frame tokens written into pages"),
+                          ("protected_tokens", "visual tokens STP kept at higher precision")):
+            c = CounterMetricFamily(METRIC_PREFIX + "visual_" + name, doc, labels=labels)
+            if s.visual is not None:
+                c.add_metric(values, float(getattr(s.visual, name)))
+            yield c
 
 
 _collector: KVStatsCollector | None = None

@@ -31,16 +31,19 @@ LOWBIT = {"protect": 0.2, "sink_tokens": 4, "residual_tokens": 128, "skip_layers
 NUM_BLOCKS = 10
 
 
-def start_server(tmp, name, args, stock=False, **env_extra) -> Server:
+def start_server(tmp, name, args, stock=False, model=None, **env_extra) -> Server:
     """``python -m serving ARGS`` (with ``stock``: vLLM's own server, without our plugin),
-    launched with :data:`KV_SPACE_GIB` of KV cache; its log is ``tmp/NAME.log``."""
+    launched with :data:`KV_SPACE_GIB` of KV cache, on ``model`` (default the embedded
+    one); its log is ``tmp/NAME.log``."""
     env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB), **env_extra}
     launcher = SERVING
     if stock:
         from vllm_lowbit_kv.model import prepare_model
 
         env["VLLM_PLUGINS"] = "none"
-        args, launcher = ["--model", str(prepare_model()), *args], STOCK_VLLM
+        args, launcher = ["--model", str(model or prepare_model()), *args], STOCK_VLLM
+    elif model is not None:
+        args = ["--model", str(model), *args]
     return Server(args, launcher=launcher, env=env, log=tmp / f"{name}.log").launch()
 
 

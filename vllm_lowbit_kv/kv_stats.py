@@ -56,6 +56,24 @@ class EvictionCounter:
 EVICTION = EvictionCounter()
 
 
+@dataclass
+class VisualCounter:
+    """Visual (image, video-frame) tokens this worker encoded into pages, and how many of
+    them STP protected (monotonic; counted once per token, not per layer or head)."""
+
+    encoded: int = 0
+    protected: int = 0
+
+    def record(self, encoded: int, protected: int) -> None:
+        require(0 <= protected <= encoded, "protected", f"an int in [0, encoded={encoded}]",
+                protected)
+        self.encoded += encoded
+        self.protected += protected
+
+
+VISUAL = VisualCounter()
+
+
 def scheme_config(vllm_config: Any) -> dict[str, Any]:
     """The effective configuration of a lowbit-kv ``--kv-cache-dtype``, as the engine runs it,
     from a ``VllmConfig`` that vLLM has checked (:func:`~vllm_lowbit_kv.vllm.checks.check_vllm_config`
@@ -98,7 +116,8 @@ def worker_snapshot(worker: Any = None, pools: Sequence[Any] = ()) -> dict[str, 
     ``staging_*``: slots of the model-dtype staging ``pools`` (the
     :class:`~vllm_lowbit_kv.paged.StagingAllocator` of each of the worker's metadata builders),
     which the KV budget pays for (:func:`~vllm_lowbit_kv.vllm.resolve.staging_bytes`);
-    ``eviction_enabled`` / ``evicted_pairs``: :data:`EVICTION`.
+    ``eviction_enabled`` / ``evicted_pairs``: :data:`EVICTION`;
+    ``visual_tokens`` / ``visual_tokens_protected``: :data:`VISUAL`.
     """
     if not EVICTION.enabled and _eviction_configured(getattr(worker, "vllm_config", None)):
         EVICTION.enable()
@@ -109,6 +128,8 @@ def worker_snapshot(worker: Any = None, pools: Sequence[Any] = ()) -> dict[str, 
         staging_stale_reused=sum(p.stale_reused for p in pools),
         eviction_enabled=EVICTION.enabled,
         evicted_pairs=EVICTION.evicted_pairs,
+        visual_tokens=VISUAL.encoded,
+        visual_tokens_protected=VISUAL.protected,
         kv_cache_bytes=None,
         num_blocks=None,
     )

@@ -32,6 +32,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..config import LowBitKVConfigError
+from ..kv_stats import VISUAL
 from ..ops import select_implementation
 from ..paged import PagedLayout, ReadPlan, Staging, StagingAllocator, WritePlan, forward_layer
 from . import BACKEND_NAME, is_lowbit_dtype
@@ -169,13 +170,33 @@ def release_ended_requests(runner, scheduler_output) -> None:
     compact_ordered(runner, scheduler_output, _BUILDERS)
 
 
+#: modalities whose placeholder tokens are visual tokens to STP
+VISUAL_MODALITIES = ("image", "video")
+
+
+def visual_positions(mm_features) -> torch.Tensor | None:
+    """The positions of a request's image and video-frame embeddings (vLLM's placeholder
+    ranges, only the positions that receive an embedding), or None for none."""
+    runs = []
+    for feature in mm_features or ():
+        if feature.modality not in VISUAL_MODALITIES:
+            continue
+        place = feature.mm_position
+        pos = torch.arange(place.offset, place.offset + place.length)
+        runs.append(pos if place.is_embed is None else pos[place.is_embed.to("cpu", torch.bool)])
+    return torch.cat(runs) if runs else None
+
+
 def record_step_owners(runner) -> None:
     """After the runner updated its states the input batch is in the order of the step's
-    rows (reordering included): row r of the next metadata belongs to ``req_ids[r]``."""
+    rows (reordering included): row r of the next metadata belongs to ``req_ids[r]``,
+    whose visual token positions it also records."""
     if _BUILDERS:
         owners = list(runner.input_batch.req_ids[:runner.input_batch.num_reqs])
+        visual = [visual_positions(runner.requests[r].mm_features) for r in owners]
         for builder in list(_BUILDERS):
             builder.step_owners = owners
+            builder.step_visual = visual
 
 
 class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
@@ -198,8 +219,12 @@ class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
                     self.layout.bits_per_element, len(layer_names), self.alloc.num_slots,
                     scheme.staged_groups, scheme.residual_tokens,
                     staging_bytes(vllm_config) / 2**20)
-        #: request id of each row of the next step (set by the runner hook)
+        #: request id and visual token positions of each row of the next step (set by
+        #: the runner hook)
         self.step_owners: list[str] = []
+        self.step_visual: list[torch.Tensor | None] = []
+        #: STP ranks tokens by relevance (else visual tokens are only counted)
+        self.protects = scheme.uses_relevance
         _BUILDERS.add(self)
 
     def release_blocks(self, block_ids) -> None:
@@ -209,16 +234,30 @@ class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
                 "lowbit-kv: freed %d staging slots of ended requests (%d in use)",
                 freed, self.alloc.in_use)
 
+    def _count_visual(self, write) -> None:
+        """Visual tokens the step encodes, and those STP protects: a group protects
+        min(protected rows, its visual tokens) of them (paged.visual_first), sink rows
+        never."""
+        visual = write.enc_visual.clone()
+        for e, sinks in enumerate(write.enc_sink.tolist()):
+            visual[e, :sinks] = False
+        rows = getattr(self.layout.value_codec, "n_protect", 0) if self.protects else 0
+        VISUAL.record(int(write.enc_visual.sum()), int(visual.sum(1).clamp(max=rows).sum()))
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> LowBitKVMetadata:
         cam = common_attn_metadata
         n, R = cam.num_actual_tokens, cam.num_reqs
+        known = len(self.step_owners) == R
         write, read = self.alloc.plan_step(
             cam.slot_mapping[:n], cam.seq_lens[:R].tolist(),
             cam.query_start_loc_cpu[:R + 1].tolist(), cam.block_table_tensor[:R],
             self.layout.groups_per_block,
             # without the runner's ids (warm-up runs) rows own nothing: no window is read
-            self.step_owners if len(self.step_owners) == R else [("row", r) for r in range(R)])
+            self.step_owners if known else [("row", r) for r in range(R)],
+            self.step_visual if known else None)
+        if write.enc_visual is not None:
+            self._count_visual(write)
         compacted = compacted_rows(cam.block_table_tensor, R)
         return LowBitKVMetadata(num_actual_tokens=n, write=write, read=read, compacted=compacted,
                                 block_table=cam.block_table_tensor[:R] if compacted else None)

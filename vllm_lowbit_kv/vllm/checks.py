@@ -42,6 +42,12 @@ SERVING_PLATFORMS = (PlatformEnum.CPU, PlatformEnum.CUDA)
 LOGGED_ENV = "LOWBIT_KV_CONFIG_LOGGED"
 
 
+#: vision-language architectures served with packed KV, each with an end-to-end test
+#: (tests/test_vllm_multimodal.py); another may attend bidirectionally inside an image
+#: (vLLM's mm_prefix_lm models) or place its visual tokens in ways not checked
+TESTED_MULTIMODAL = ("Idefics3ForConditionalGeneration",)
+
+
 def refusal(name: str, what: str, reasons: list[str]) -> ValueError:
     return ValueError(f"--kv-cache-dtype {name} cannot serve {what}: " + "; ".join(reasons)
                       + ". Refusing to start rather than serve wrong outputs.")
@@ -90,6 +96,10 @@ def check_vllm_config(vllm_config: "VllmConfig", platform: "type[Platform]") -> 
         reasons.append("encoder-decoder models: not supported")
     if model_config.use_mla:
         reasons.append("MLA attention: not supported")
+    if model_config.is_multimodal_model and model_config.architecture not in TESTED_MULTIMODAL:
+        reasons.append(f"multimodal architecture {model_config.architecture}: only "
+                       f"{', '.join(TESTED_MULTIMODAL)} is tested with packed KV (its image "
+                       "tokens attend causally, as our pages assume)")
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding: not supported")
     if not cache_config.user_specified_block_size:

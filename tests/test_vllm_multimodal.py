@@ -1,0 +1,173 @@
+"""Image requests through the real vLLM server to the test VLM (``python -m
+vllm_lowbit_kv.model --vlm``: SmolLM2 behind an untrained, seeded vision tower, so
+answers about images are meaningless; these tests check the path, not visual quality).
+
+``vlm_server`` is this module's one packed-KV server: ``vidkv_stp`` with the shared
+server's settings (tests/_servers.py: STP, sinks, residual window, layer 0 bf16,
+256-token prefill chunks that split images). vLLM tells the backend where each
+request's image tokens are (the runner hook, ``vllm.backend.visual_positions``); STP
+protects visual tokens first, and ``/v1/kv_cache/stats`` counts them.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import pytest
+
+from _servers import (COMMON, LOWBIT, STATS_ROUTE, get_json, long_prompt, metric, model_name,
+                      post, start_server, wait_idle)
+
+pytestmark = pytest.mark.slow
+
+T = 64  # vidkv_stp's group
+PROTECTED_ROWS = round(LOWBIT["protect"] * T)
+QUESTION = "Describe the picture."
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    pytest.importorskip("vllm")
+    from vllm_lowbit_kv.model import prepare_vlm
+
+    return prepare_vlm(progress=False)
+
+
+@pytest.fixture(scope="module")
+def vlm_server(vlm, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vlm")
+    cfg = tmp / "lowbit.json"
+    cfg.write_text(json.dumps(LOWBIT))
+    s = start_server(tmp, "vlm_stp", ["--kv-cache-dtype", "vidkv_stp", "--lowbit-config", str(cfg),
+                                      *COMMON], model=vlm)
+    try:
+        yield s.wait_ready(timeout=300)
+    finally:
+        s.stop()
+
+
+def image_url(seed: int) -> dict:
+    """A distinct 512x512 picture per seed (distinct images never share cached blocks)."""
+    from PIL import Image
+
+    img = Image.new("RGB", (512, 512))
+    img.putdata([((x * 7 + seed * 37) % 256, (y * 3 + seed * 11) % 256, (x ^ y ^ seed) % 256)
+                 for y in range(512) for x in range(512)])
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return {"type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
+
+
+def chat(port: int, seeds: list[int], text: str = QUESTION, stream: bool = False,
+         max_tokens: int = 24) -> tuple[str, dict]:
+    """Greedy answer of ``max_tokens`` tokens (an untrained vision tower may make the
+    model stop at once) to one user turn of images then text: (text, body or usage)."""
+    body = {"model": model_name(port), "temperature": 0, "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "messages": [{"role": "user",
+                          "content": [image_url(s) for s in seeds] + [{"type": "text", "text": text}]}]}
+    if not stream:
+        out = post(port, "/v1/chat/completions", {**body, "return_token_ids": True})
+        return out["choices"][0]["message"]["content"], out
+    events = post(port, "/v1/chat/completions",
+                  {**body, "stream": True, "stream_options": {"include_usage": True}}, stream=True)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    usage = [e["usage"] for e in events if e.get("usage")]
+    return text, {"usage": usage[-1]}
+
+
+def image_token_id(vlm) -> int:
+    return json.loads((vlm / "config.json").read_text())["image_token_id"]
+
+
+def visual_stats(port: int) -> dict:
+    return get_json(port, STATS_ROUTE)["visual"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", ["one image", "eight frames", "image and long text"])
+def test_image_requests_answer(vlm_server, case, stream):
+    """One image, eight images standing in for video frames, and an image before a long
+    text (its prefill spans several 256-token chunks): answered, streaming and not, with
+    64 image tokens per image in the prompt."""
+    seeds = {"one image": [1], "eight frames": list(range(10, 18)),
+             "image and long text": [2]}[case]
+    text = long_prompt(1, 1500) if case == "image and long text" else QUESTION
+    seeds = [s + 100 * stream for s in seeds]  # no prefix shared between the two modes
+    answer, out = chat(vlm_server.port, seeds, text, stream)
+    assert answer.strip() and out["usage"]["completion_tokens"] == 24, out
+    assert out["usage"]["prompt_tokens"] >= 64 * len(seeds) + 8
+    if case == "image and long text":
+        assert out["usage"]["prompt_tokens"] > 256  # several prefill chunks
+    wait_idle(vlm_server)
+
+
+def test_stats_count_the_visual_tokens_stp_protects(vlm_server, vlm):
+    """The stats' visual figures grow by exactly what the request's image tokens make:
+    every image token in a completed group is encoded; each group protects
+    min(protected rows, its image tokens) of them (VidKV's STP among visual tokens)."""
+    before = visual_stats(vlm_server.port)
+    _, out = chat(vlm_server.port, [7, 8], "Compare the two pictures. " * 20, max_tokens=40)
+    wait_idle(vlm_server)
+    after = visual_stats(vlm_server.port)
+    ids = out["prompt_token_ids"] + out["choices"][0]["token_ids"]
+    written = len(ids) - 1  # the last sampled token is never fed back
+    image = image_token_id(vlm)
+    per_group = [sum(t == image for t in ids[g * T:(g + 1) * T]) for g in range(written // T)]
+    assert sum(per_group) >= 2 * 64 - T  # the images lie in completed groups
+    assert after["encoded_tokens"] - before["encoded_tokens"] == sum(per_group)
+    assert after["protected_tokens"] - before["protected_tokens"] == \
+        sum(min(PROTECTED_ROWS, n) for n in per_group)
+
+
+def test_prefix_cache_hit_on_image_blocks(vlm_server):
+    """An image prompt's full blocks are cached with the image's hash: the same image
+    and text again reads them (packed bytes, written with the image's protection) and
+    answers alike every time; another image before the same text hits nothing, as its
+    first block holds the image. (The first, uncached answer may differ from the cached
+    ones: it attended its own chunks' tokens exactly, a hit reads them packed.)"""
+    port = vlm_server.port
+    prompt = long_prompt(2, 800)
+    chat(port, [42], prompt)
+    hits = metric(port, "prefix_cache_hits_total")
+    second, _ = chat(port, [42], prompt)
+    assert metric(port, "prefix_cache_hits_total") - hits >= 256
+    third, _ = chat(port, [42], prompt)
+    assert third == second and second.strip()
+    hits = metric(port, "prefix_cache_hits_total")
+    chat(port, [43], prompt)
+    assert metric(port, "prefix_cache_hits_total") == hits
+    wait_idle(vlm_server)
+
+
+def test_text_request_on_the_vlm_answers_as_the_text_model(vlm_server, server):
+    """A text-only chat on the VLM is SmolLM2's: the same greedy answer as the shared
+    text-model server, which runs the same packed KV configuration."""
+    messages = [{"role": "user", "content": long_prompt(3, 600)}]
+
+    def ask(port):
+        body = {"model": model_name(port), "messages": messages, "temperature": 0, "max_tokens": 32}
+        return post(port, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+
+    assert ask(vlm_server.port) == ask(server.port)
+    wait_idle(server)
+    wait_idle(vlm_server)
+
+
+def test_auto_dtype_answers_as_stock_vllm(vlm, tmp_path):
+    """With vLLM's own KV (``--kv-cache-dtype auto``) our launcher changes nothing: the
+    same greedy image request returns what stock vLLM (no plugin) returns."""
+    answers = {}
+    for name, stock in (("ours", False), ("stock", True)):
+        s = start_server(tmp_path, f"vlm_auto_{name}", ["--kv-cache-dtype", "auto", *COMMON],
+                         stock=stock, model=vlm)
+        try:
+            s.wait_ready(timeout=300)
+            answers[name] = [chat(s.port, [3])[0], chat(s.port, [4, 5], stream=True)[0]]
+        finally:
+            s.stop()
+    assert answers["ours"] == answers["stock"]
+    assert all(a.strip() for a in answers["ours"])
