@@ -184,7 +184,7 @@ def test_forced_attention_impl_is_checked_at_startup(model_dir, monkeypatch):
 
 def _fake_vllm_config(user_block_size: bool = True, **model_kw):
     model = dict(is_hybrid=False, is_attention_free=False, is_encoder_decoder=False, use_mla=False,
-                 model="fake", dtype=torch.bfloat16, get_total_num_hidden_layers=lambda: LAYERS,
+                 is_multimodal_model=False, architecture="LlamaForCausalLM", model="fake", dtype=torch.bfloat16, get_total_num_hidden_layers=lambda: LAYERS,
                  get_head_size=lambda: HEAD_DIM, get_num_kv_heads=lambda pc: KV_HEADS,
                  get_total_num_kv_heads=lambda: KV_HEADS)
     model.update(model_kw)
@@ -215,6 +215,10 @@ def test_block_size_is_the_schemes_page_unless_the_user_sets_one(model_dir, user
     ({"is_encoder_decoder": True}, "encoder-decoder"),
     ({"get_head_size": lambda: 2048}, "head_dim 2048"),
     ({"get_total_num_hidden_layers": lambda: 1}, None),
+    ({"is_multimodal_model": True, "architecture": "LlavaForConditionalGeneration"},
+     "multimodal architecture LlavaForConditionalGeneration: only "
+     "Idefics3ForConditionalGeneration is tested"),
+    ({"is_multimodal_model": True, "architecture": "Idefics3ForConditionalGeneration"}, None),
 ])
 def test_unservable_models_are_refused_with_the_reason(model_dir, model_kw, reason):
     from vllm.platforms.cpu import CpuPlatform
@@ -223,7 +227,7 @@ def test_unservable_models_are_refused_with_the_reason(model_dir, model_kw, reas
 
     cfg = _fake_vllm_config(**model_kw)
     if reason is None:
-        check_vllm_config(cfg, CpuPlatform)  # a 1-layer llama-like model is fine
+        check_vllm_config(cfg, CpuPlatform)  # servable (a 1-layer llama-like model, the tested VLM)
         return
     with pytest.raises(ValueError, match=f"vidkv cannot serve fake: .*{reason}.*Refusing to start"):
         check_vllm_config(cfg, CpuPlatform)

@@ -60,6 +60,7 @@ def _config(dtype, lowbit=None, heads=HEADS, platform_device="cuda"):
     """What the start-up check reads of a VllmConfig for SmolLM2 on ``platform_device``."""
     model = SimpleNamespace(
         is_hybrid=False, is_attention_free=False, is_encoder_decoder=False, use_mla=False,
+        is_multimodal_model=False, architecture="LlamaForCausalLM",
         model="smollm2", dtype=torch.bfloat16, get_total_num_hidden_layers=lambda: LAYERS,
         get_head_size=lambda: HEAD_DIM, get_num_kv_heads=lambda pc: KV_HEADS,
         get_total_num_kv_heads=lambda: KV_HEADS, get_num_attention_heads=lambda pc: heads)
