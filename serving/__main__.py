@@ -37,7 +37,8 @@ Defaults (each applies only where neither a flag nor the environment, nor a
   images say so explicitly);
 * the embedded model served as ``SmolLM2-135M-Instruct`` (``--served-model-name
   SmolLM2-135M-Instruct <its folder>``: the short name is the one reported, the
-  folder's path is still accepted);
+  folder's path is still accepted), the test VLM (``--vlm``) likewise by its folder's
+  name;
 * on vLLM's CPU platform: ``VLLM_CPU_KVCACHE_SPACE=2`` (GiB of KV cache; not set
   when ``--kv-cache-memory-bytes`` or ``--gpu-memory-utilization`` is given),
   ``--kv-cache-dtype vidkv``, ``--enforce-eager`` (skips about 60 s of
@@ -214,13 +215,13 @@ def defaults(argv: list[str], environ: dict[str, str] | None = None,
     env: dict[str, str] = {}
     if "--host" not in given:
         add += ["--host", DEFAULT_HOST]
-    from vllm_lowbit_kv.model import MODEL_NAME, cache_root
+    from vllm_lowbit_kv.model import MODEL_NAME, VLM_NAME, cache_root
 
     model = _model_arg(argv)
-    embedded = cache_root() / MODEL_NAME
-    if model and "--served-model-name" not in given and os.path.isdir(model) \
-            and os.path.realpath(model) == os.path.realpath(embedded):
-        add += ["--served-model-name", MODEL_NAME, model]
+    if model and "--served-model-name" not in given and os.path.isdir(model):
+        for name in (MODEL_NAME, VLM_NAME):  # our own models: by name, not by folder
+            if os.path.realpath(model) == os.path.realpath(cache_root() / name):
+                add += ["--served-model-name", name, model]
     if cpu:
         pp = _int_flag(argv, "--pipeline-parallel-size", "-pp")
         ranks = pp * _int_flag(argv, "--tensor-parallel-size", "-tp")

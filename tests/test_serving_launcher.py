@@ -89,6 +89,12 @@ def test_launcher_defaults():
     # another model keeps its name; off the CPU platform only the host is ours
     assert defaults(["--model", "Qwen/Qwen3-0.6B"], environ={}, cpu=False) == (
         ["--host", "127.0.0.1"], {})
+    # the test VLM's folder is served by its name too
+    from vllm_lowbit_kv.model import VLM_NAME, prepare_vlm
+
+    vlm = str(prepare_vlm(progress=False))
+    assert defaults(["--model", vlm], environ={}, cpu=False)[0] == [
+        "--host", "127.0.0.1", "--served-model-name", VLM_NAME, vlm]
 
 
 def test_launcher_reads_a_config_file(tmp_path):

@@ -87,6 +87,26 @@ def visual_stats(port: int) -> dict:
     return get_json(port, STATS_ROUTE)["visual"]
 
 
+def test_auto_dtype_answers_as_stock_vllm(vlm, tmp_path):
+    """With vLLM's own KV (``--kv-cache-dtype auto``) our launcher changes nothing: the
+    same greedy image requests return what stock vLLM (no plugin) returns. (First in
+    the module, and the two servers start side by side: before this module's packed
+    server exists, so start-up does not share the two cores with more servers.)"""
+    servers = {name: start_server(tmp_path, f"vlm_auto_{name}", ["--kv-cache-dtype", "auto", *COMMON],
+                                  stock=stock, model=vlm)
+               for name, stock in (("ours", False), ("stock", True))}
+    try:
+        answers = {}
+        for name, s in servers.items():
+            s.wait_ready(timeout=300)
+            answers[name] = [chat(s.port, [3])[0], chat(s.port, [4, 5], stream=True)[0]]
+    finally:
+        for s in servers.values():
+            s.stop()
+    assert answers["ours"] == answers["stock"]
+    assert all(a.strip() for a in answers["ours"])
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("case", ["one image", "eight frames", "image and long text"])
 def test_image_requests_answer(vlm_server, case, stream):
@@ -157,17 +177,16 @@ def test_text_request_on_the_vlm_answers_as_the_text_model(vlm_server, server):
     wait_idle(vlm_server)
 
 
-def test_auto_dtype_answers_as_stock_vllm(vlm, tmp_path):
-    """With vLLM's own KV (``--kv-cache-dtype auto``) our launcher changes nothing: the
-    same greedy image request returns what stock vLLM (no plugin) returns."""
-    answers = {}
-    for name, stock in (("ours", False), ("stock", True)):
-        s = start_server(tmp_path, f"vlm_auto_{name}", ["--kv-cache-dtype", "auto", *COMMON],
-                         stock=stock, model=vlm)
-        try:
-            s.wait_ready(timeout=300)
-            answers[name] = [chat(s.port, [3])[0], chat(s.port, [4, 5], stream=True)[0]]
-        finally:
-            s.stop()
-    assert answers["ours"] == answers["stock"]
-    assert all(a.strip() for a in answers["ours"])
+def test_video_url_is_refused_with_the_reason(vlm_server):
+    """Video needs a video processor (torchvision, which cannot run beside the CPU torch
+    here): a ``video_url`` part gets an HTTP error saying so, never a made-up answer."""
+    from bench.server import request
+
+    body = {"model": model_name(vlm_server.port), "max_tokens": 8, "messages": [{
+        "role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+            {"type": "text", "text": QUESTION}]}]}
+    status, data = request(vlm_server.port, "POST", "/v1/chat/completions", body)
+    assert 400 <= status < 500, (status, data[:500])
+    assert b"video" in data.lower(), data[:500]
+    wait_idle(vlm_server)
