@@ -11,11 +11,11 @@ protects visual tokens first, and ``/v1/kv_cache/stats`` counts them.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 
 import pytest
+
+from bench.multimodal import image_part
 
 from _servers import (COMMON, LOWBIT, STATS_ROUTE, get_json, long_prompt, metric, model_name,
                       post, start_server, wait_idle)
@@ -48,19 +48,6 @@ def vlm_server(vlm, tmp_path_factory):
         s.stop()
 
 
-def image_url(seed: int) -> dict:
-    """A distinct 512x512 picture per seed (distinct images never share cached blocks)."""
-    from PIL import Image
-
-    img = Image.new("RGB", (512, 512))
-    img.putdata([((x * 7 + seed * 37) % 256, (y * 3 + seed * 11) % 256, (x ^ y ^ seed) % 256)
-                 for y in range(512) for x in range(512)])
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return {"type": "image_url",
-            "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
-
-
 def chat(port: int, seeds: list[int], text: str = QUESTION, stream: bool = False,
          max_tokens: int = 24) -> tuple[str, dict]:
     """Greedy answer of ``max_tokens`` tokens (an untrained vision tower may make the
@@ -68,7 +55,7 @@ def chat(port: int, seeds: list[int], text: str = QUESTION, stream: bool = False
     body = {"model": model_name(port), "temperature": 0, "max_tokens": max_tokens,
             "ignore_eos": True,
             "messages": [{"role": "user",
-                          "content": [image_url(s) for s in seeds] + [{"type": "text", "text": text}]}]}
+                          "content": [image_part(s) for s in seeds] + [{"type": "text", "text": text}]}]}
     if not stream:
         out = post(port, "/v1/chat/completions", {**body, "return_token_ids": True})
         return out["choices"][0]["message"]["content"], out
