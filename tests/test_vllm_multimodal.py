@@ -177,3 +177,26 @@ def test_video_url_is_refused_with_the_reason(vlm_server):
     assert 400 <= status < 500, (status, data[:500])
     assert b"video" in data.lower(), data[:500]
     wait_idle(vlm_server)
+
+
+def test_flashcache_eviction_serves_image_prompts(vlm, tmp_path):
+    """FlashCache scores an image prompt's pairs as any other (frequency-domain outliers,
+    no attention scores): a ~1.6K-token image-and-text prompt is answered and pairs are
+    evicted."""
+    import time
+
+    s = start_server(tmp_path, "vlm_evicting",
+                     ["--kv-cache-dtype", "vidkv", "--kv-eviction", "flashcache", "--kv-retention",
+                      "0.2", "--block-size", "128", "--max-model-len", "2048", "--max-num-seqs", "4"],
+                     model=vlm)
+    try:
+        s.wait_ready(timeout=300)
+        answer, out = chat(s.port, [61], long_prompt(4, 6000))
+        assert answer.strip() and out["usage"]["prompt_tokens"] > 1200, out["usage"]
+        deadline = time.time() + 30
+        while (evicted := get_json(s.port, STATS_ROUTE)["eviction"]["evicted_pairs"]) == 0 \
+                and time.time() < deadline:
+            time.sleep(1)
+        assert evicted > 0
+    finally:
+        s.stop()
