@@ -234,7 +234,7 @@ class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
                 "lowbit-kv: freed %d staging slots of ended requests (%d in use)",
                 freed, self.alloc.in_use)
 
-    def _count_visual(self, write) -> None:
+    def _count_visual(self, write: WritePlan) -> None:
         """Visual tokens the step encodes, and those STP protects: a group protects
         min(protected rows, its visual tokens) of them (paged.visual_first), sink rows
         never."""
