@@ -61,13 +61,19 @@ def long_text(chars: int = 1500) -> str:
     return default_text()[:chars] + "\n\nWhat does the picture add to this text?"
 
 
-def answer(port: int, model: str, seeds, text: str, tokens: int) -> dict:
-    """Greedy answer of exactly ``tokens`` tokens: its ids and the prompt's length."""
-    body = {"model": model, "temperature": 0, "max_tokens": tokens, "ignore_eos": True,
-            "return_token_ids": True,
+def chat_body(model: str, seeds, text: str, tokens: int) -> dict:
+    """A /v1/chat/completions body: one user turn of the images of ``seeds`` then
+    ``text``, answered greedily with exactly ``tokens`` tokens (``ignore_eos``: an
+    untrained vision tower may make the model stop at once)."""
+    return {"model": model, "temperature": 0, "max_tokens": tokens, "ignore_eos": True,
             "messages": [{"role": "user",
                           "content": [image_part(s) for s in seeds] + [{"type": "text", "text": text}]}]}
-    out = post(port, "/v1/chat/completions", body)
+
+
+def answer(port: int, model: str, seeds, text: str, tokens: int) -> dict:
+    """Greedy answer of exactly ``tokens`` tokens: its ids and the prompt's length."""
+    out = post(port, "/v1/chat/completions",
+               {**chat_body(model, seeds, text, tokens), "return_token_ids": True})
     return dict(token_ids=out["choices"][0]["token_ids"], prompt_tokens=out["usage"]["prompt_tokens"],
                 text=out["choices"][0]["message"]["content"])
 

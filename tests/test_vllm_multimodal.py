@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from bench.multimodal import image_part
+from bench.multimodal import chat_body
 
 from _servers import (COMMON, LOWBIT, STATS_ROUTE, get_json, long_prompt, metric, model_name,
                       post, start_server, wait_idle)
@@ -50,12 +50,9 @@ def vlm_server(vlm, tmp_path_factory):
 
 def chat(port: int, seeds: list[int], text: str = QUESTION, stream: bool = False,
          max_tokens: int = 24) -> tuple[str, dict]:
-    """Greedy answer of ``max_tokens`` tokens (an untrained vision tower may make the
-    model stop at once) to one user turn of images then text: (text, body or usage)."""
-    body = {"model": model_name(port), "temperature": 0, "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "messages": [{"role": "user",
-                          "content": [image_part(s) for s in seeds] + [{"type": "text", "text": text}]}]}
+    """Greedy answer of ``max_tokens`` tokens (:func:`bench.multimodal.chat_body`):
+    (text, body or usage)."""
+    body = chat_body(model_name(port), seeds, text, max_tokens)
     if not stream:
         out = post(port, "/v1/chat/completions", {**body, "return_token_ids": True})
         return out["choices"][0]["message"]["content"], out
