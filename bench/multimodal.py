@@ -1,7 +1,7 @@
 """Image requests per KV scheme on the test VLM: greedy answers against bf16's, bits, and
 the visual tokens STP protected, through the real server.
 
-    python -m bench.multimodal            # bfloat16, vidkv, vidkv_stp, kivi2
+    python -m bench.multimodal            # bfloat16, vidkv, vidkv_stp, vidkv_visual, kivi2
     python -m bench.multimodal --kv-cache-dtype bfloat16,vidkv_stp --tokens 32 \\
         --json bench/results/multimodal.json --png bench/results/multimodal.png
 
@@ -121,7 +121,7 @@ def plot(rows: list[dict], tokens: int, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kv-cache-dtype", default="bfloat16,vidkv,vidkv_stp,kivi2",
+    p.add_argument("--kv-cache-dtype", default="bfloat16,vidkv,vidkv_stp,vidkv_visual,kivi2",
                    help="comma-separated; the first is the reference (bfloat16)")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per answer")
     p.add_argument("--json", default=str(RESULTS / "multimodal.json"))

@@ -26,7 +26,8 @@ def make(scheme="kivi2", T=16, block_size=32, num_blocks=64, slots=8, sinks=0, q
     if params:
         s = s.with_params(**params)
     kc, vc = s.codecs(D, T)
-    layout = PagedLayout(kc, vc, H, block_size, sinks, rotation=s.rotation(D, 0))
+    layout = PagedLayout(kc, vc, H, block_size, sinks, rotation=s.rotation(D, 0),
+                         protect_first=s.protect_first)
     pages = torch.zeros(layout.page_shape(num_blocks), dtype=torch.uint8)
     staging = Staging.allocate(slots, T, H, D, torch.bfloat16, q_heads)
     return layout, pages, staging, StagingAllocator(slots, T, sinks, window)
@@ -253,14 +254,17 @@ def test_attention_mass_matches_hf_definition():
 VISUAL = [torch.arange(5, 61), torch.tensor([17, 18, 40]), None]
 
 
-@pytest.mark.parametrize("obs_window,visual", [(8, None), (16, None), (8, VISUAL)])
-def test_stp_pages_equal_hf_yardstick(obs_window, visual):
-    """vidkv_stp through paged (three requests batched, chunked prefill, decode) gives the
-    very bytes the transformers yardstick stores for each sequence alone, with and
-    without visual tokens marked; marked, a group protects visual tokens first."""
+@pytest.mark.parametrize("scheme,obs_window,visual", [
+    ("vidkv_stp", 8, None), ("vidkv_stp", 16, None), ("vidkv_stp", 8, VISUAL),
+    ("vidkv_visual", 8, VISUAL), ("vidkv_visual", 8, None)])
+def test_stp_pages_equal_hf_yardstick(scheme, obs_window, visual):
+    """STP through paged (three requests batched, chunked prefill, decode) gives the very
+    bytes the transformers yardstick stores for each sequence alone, with and without
+    visual tokens marked; marked, a group protects visual tokens first (vidkv_stp), or
+    its text tokens first in the visual-only mode (vidkv_visual: K and V alike)."""
     torch.manual_seed(3)
     T, slots = 16, 4
-    layout, pages, staging, alloc = make("vidkv_stp", T=T, slots=slots, q_heads=HQ)
+    layout, pages, staging, alloc = make(scheme, T=T, slots=slots, q_heads=HQ)
     lens = [90, 41, 20]
     perm = torch.randperm(pages.shape[0])
     tables = [perm[i * 8:(i + 1) * 8] for i in range(3)]
@@ -270,9 +274,11 @@ def test_stp_pages_equal_hf_yardstick(obs_window, visual):
                            obs_window=obs_window, visual=visual)
     assert done == lens
     scale = D ** -0.5
-    kc, vc = get_scheme("vidkv_stp").codecs(D, T)
+    kc, vc = get_scheme(scheme).codecs(D, T)
+    first = get_scheme(scheme).protect_first
+    filled = []  # per visual request: first kind protected somewhere, other kind too
     for r, (k, v, q) in enumerate(seqs):
-        marks = VisualTokens()
+        marks = VisualTokens(first)
         if visual is not None and visual[r] is not None:
             is_visual = torch.zeros(1, lens[r], dtype=torch.bool)
             is_visual[0, visual[r]] = True
@@ -301,14 +307,24 @@ def test_stp_pages_equal_hf_yardstick(obs_window, visual):
         assert torch.equal(ours_v, hf.packed_v[0]), r
         if visual is None or visual[r] is None:
             continue
-        # every group protects min(n_protect, its visual tokens) visual tokens, per head
-        prot = vc.protected_tokens(ours_v)  # [groups, H, T]
+        # per group and head, the kind ranked first fills the protected rows, the other
+        # kind takes what is left: min(n_protect, first) and min(other, n_protect - first)
         is_vis = torch.zeros(n_groups * T, dtype=torch.bool)
         is_vis[visual[r][visual[r] < n_groups * T]] = True
         is_vis = is_vis.reshape(n_groups, 1, T)
-        want = is_vis.sum(-1).clamp(max=vc.n_protect).expand(-1, H)
-        assert torch.equal((prot & is_vis).sum(-1), want), r
-        assert bool((want > 0).any())
+        is_first = is_vis if first == "visual" else ~is_vis
+        n_first = is_first.sum(-1).expand(-1, H)
+        want_first = n_first.clamp(max=vc.n_protect)
+        want_other = (T - n_first).clamp(max=vc.n_protect - want_first)
+        for codec, packed in ((kc, ours_k), (vc, ours_v)):
+            if not codec.n_protect:
+                continue
+            prot = codec.protected_tokens(packed)  # [groups, H, T]
+            assert torch.equal((prot & is_first).sum(-1), want_first), r
+            assert torch.equal((prot & ~is_first).sum(-1), want_other), r
+        filled += [bool((want_first > 0).any()), bool((want_other > 0).any())]
+    # the visual requests fill protected rows with both kinds somewhere
+    assert visual is None or (any(filled[::2]) and any(filled[1::2]))
 
 
 def test_prefix_hit_inside_another_window_reads_the_pages():

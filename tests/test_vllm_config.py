@@ -24,7 +24,7 @@ def test_fields_cover_every_codec_parameter():
             params |= {p for p in inspect.signature(spec.cls.__init__).parameters
                        if spec.accepts(p)}
     cache = {"block_tokens", "sink_tokens", "residual_tokens", "page_tokens", "rotate", "rotate_seed",
-             "skip_layers", "obs_window", "attention_impl"}
+             "protect_first", "skip_layers", "obs_window", "attention_impl"}
     eviction = {"eviction", "retention", "eviction_gamma", "eviction_sinks", "recent_window",
                 "eviction_layer_cap"}
     assert set(LowBitKVConfig.model_fields) == params | cache | eviction
@@ -48,6 +48,9 @@ def test_fields_cover_every_codec_parameter():
     ({"page_tokens": 100}, "vidkv", r"page_tokens must be a multiple of block_tokens \(64\) in \[64, 8192\], got 100"),
     ({"page_tokens": 16384}, "vidkv", r"field 'page_tokens': Input should be less than or equal to 8192"),
     ({"rotate_seed": "x"}, "kivi2", r"field 'rotate_seed': Input should be a valid integer"),
+    ({"protect_first": "audio"}, "vidkv_stp", r"field 'protect_first': Input should be 'visual' or 'text'"),
+    ({"protect_first": "text"}, "kivi2",
+     r"protect_first must be 'visual' unless the scheme protects tokens \(protect > 0\), got 'text'"),
     ({"skip_layers": [-2]}, "vidkv", r"field 'skip_layers': layer indices must be >= 0"),
     ({"block_tokens": 0}, "vidkv", r"field 'block_tokens': Input should be greater than or equal to 1"),
     ({"ema": 0.9}, "dynamic4", r"ema must be 0 for --kv-cache-dtype dynamic4 in the vLLM backend"),
@@ -66,6 +69,10 @@ def test_overrides_reach_the_codecs():
     assert (kc.k, vc.gamma, vc.protect, kc.protect) == (0.75, 0.6, 0.25, 0.0)
     assert (s.block_tokens, s.sink_tokens, cfg.skip_layers, cfg.obs_window) == (32, 4, [0, 3], 16)
     assert LowBitKVConfig.parse(None).scheme("vidkv") == get_scheme("vidkv")
+    # the visual-only mode on any STP scheme, and back to VidKV's rule on vidkv_visual
+    assert LowBitKVConfig.parse({"protect_first": "text"}).scheme("vidkv_stp").protect_first == "text"
+    assert LowBitKVConfig.parse({"protect_first": "visual"}).scheme("vidkv_visual").protect_first \
+        == "visual"
     # stateful codecs run stateless in vLLM, and the scheme says so
     assert LowBitKVConfig.parse({}).scheme("dynamic2").value.params["ema"] == 0.0
 

@@ -2,11 +2,14 @@
 vllm_lowbit_kv.model --vlm``: SmolLM2 behind an untrained, seeded vision tower, so
 answers about images are meaningless; these tests check the path, not visual quality).
 
-``vlm_server`` is this module's one packed-KV server: ``vidkv_stp`` with the shared
+``vlm_server`` is this module's main packed-KV server: ``vidkv_stp`` with the shared
 server's settings (tests/_servers.py: STP, sinks, residual window, layer 0 bf16,
 256-token prefill chunks that split images). vLLM tells the backend where each
 request's image tokens are (the runner hook, ``vllm.backend.visual_positions``); STP
 protects visual tokens first, and ``/v1/kv_cache/stats`` counts them.
+``vlm_visual_server`` runs the visual-only mode (``vidkv_visual``, its own defaults:
+text tokens protected first, visual tokens low-bit) for the image requests and the
+counts.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from _servers import (COMMON, LOWBIT, STATS_ROUTE, get_json, long_prompt, metric
 
 pytestmark = pytest.mark.slow
 
-T = 64  # vidkv_stp's group
-PROTECTED_ROWS = round(LOWBIT["protect"] * T)
+T = 64  # the group of vidkv_stp and vidkv_visual
+#: per server: STP's protected rows per group, which kind they go to first, sink rows
+MODES = {"vidkv_stp": (round(LOWBIT["protect"] * T), "visual", LOWBIT["sink_tokens"]),
+         "vidkv_visual": (16, "text", 4)}
 QUESTION = "Describe the picture."
 
 
@@ -46,6 +51,22 @@ def vlm_server(vlm, tmp_path_factory):
         yield s.wait_ready(timeout=300)
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def vlm_visual_server(vlm, tmp_path_factory):
+    s = start_server(tmp_path_factory.mktemp("vlm_visual"), "vlm_visual",
+                     ["--kv-cache-dtype", "vidkv_visual", *COMMON], model=vlm)
+    try:
+        yield s.wait_ready(timeout=300)
+    finally:
+        s.stop()
+
+
+def mode_server(request, mode: str):
+    """The module's server of ``mode`` (started on first use)."""
+    return request.getfixturevalue({"vidkv_stp": "vlm_server",
+                                    "vidkv_visual": "vlm_visual_server"}[mode])
 
 
 def chat(port: int, seeds: list[int], text: str = QUESTION, stream: bool = False,
@@ -93,10 +114,12 @@ def test_auto_dtype_answers_as_stock_vllm(vlm, tmp_path):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("case", ["one image", "eight frames", "image and long text"])
-def test_image_requests_answer(vlm_server, case, stream):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_image_requests_answer(request, mode, case, stream):
     """One image, eight images standing in for video frames, and an image before a long
     text (its prefill spans several 256-token chunks): answered, streaming and not, with
-    64 image tokens per image in the prompt."""
+    64 image tokens per image in the prompt, by VidKV's STP and by the visual-only mode."""
+    vlm_server = mode_server(request, mode)
     seeds = {"one image": [1], "eight frames": list(range(10, 18)),
              "image and long text": [2]}[case]
     text = long_prompt(1, 1500) if case == "image and long text" else QUESTION
@@ -109,10 +132,15 @@ def test_image_requests_answer(vlm_server, case, stream):
     wait_idle(vlm_server)
 
 
-def test_stats_count_the_visual_tokens_stp_protects(vlm_server, vlm):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_stats_count_the_visual_tokens_stp_protects(request, mode, vlm):
     """The stats' visual figures grow by exactly what the request's image tokens make:
-    every image token in a completed group is encoded; each group protects
-    min(protected rows, its image tokens) of them (VidKV's STP among visual tokens)."""
+    every image token in a completed group is encoded; a group's protected rows go to
+    its image tokens first (VidKV's STP: min(rows, image tokens)) or to its text tokens
+    first (the visual-only mode: image tokens get only the rows text leaves over; sink
+    rows are never protected)."""
+    vlm_server = mode_server(request, mode)
+    rows, first, sinks = MODES[mode]
     before = visual_stats(vlm_server.port)
     _, out = chat(vlm_server.port, [7, 8], "Compare the two pictures. " * 20, max_tokens=40)
     wait_idle(vlm_server)
@@ -123,8 +151,13 @@ def test_stats_count_the_visual_tokens_stp_protects(vlm_server, vlm):
     per_group = [sum(t == image for t in ids[g * T:(g + 1) * T]) for g in range(written // T)]
     assert sum(per_group) >= 2 * 64 - T  # the images lie in completed groups
     assert after["encoded_tokens"] - before["encoded_tokens"] == sum(per_group)
-    assert after["protected_tokens"] - before["protected_tokens"] == \
-        sum(min(PROTECTED_ROWS, n) for n in per_group)
+    if first == "visual":
+        protected = [min(rows, n) for n in per_group]
+    else:  # the text tokens of a group compete for the rows first (its sinks do not)
+        text = [T - n - (sinks if g == 0 else 0) for g, n in enumerate(per_group)]
+        protected = [min(n, max(0, rows - t)) for n, t in zip(per_group, text)]
+        assert 0 < sum(protected) < sum(min(rows, n) for n in per_group)
+    assert after["protected_tokens"] - before["protected_tokens"] == sum(protected)
 
 
 def test_prefix_cache_hit_on_image_blocks(vlm_server):

@@ -33,6 +33,13 @@ Cache layout (any scheme):
 * ``rotate``: ``none`` or ``hadamard``: multiply K and V head vectors by a fixed
   randomized Hadamard matrix (per layer, signs from ``rotate_seed``) before
   encoding (:mod:`vllm_lowbit_kv.rotation`); attention stays exact in math.
+* ``protect_first``: ``visual`` or ``text``: which tokens of a group that holds
+  visual (image, video-frame) tokens STP's protected rows go to first. ``visual``
+  (default) is VidKV's rule (the visual tokens the text attends to most); ``text``
+  is the visual-only mode (seed 003's setting, scheme ``vidkv_visual``): text
+  tokens at the protected rows' 2 bits, visual tokens at the low-bit code, the rows
+  text leaves over to the most relevant visual tokens. Needs a scheme that protects
+  tokens (``protect`` > 0).
 * ``skip_layers``: layer indices kept entirely in the model dtype (bf16 pages of
   their own size, vLLM's own attention).
 * ``obs_window``: queries in the STP observation window (relevance schemes such
@@ -89,7 +96,7 @@ from .codecs.base import ModelIdentity, require
 from .codecs.quantile1 import ROUNDINGS
 from .codecs.rvq import GROUPINGS
 from .eviction.policies import DEFAULT_GAMMA, DEFAULT_RECENT_WINDOW, DEFAULT_SINK_TOKENS, POLICIES
-from .codecs.vidkv import ONE_BIT_MODES
+from .codecs.vidkv import ONE_BIT_MODES, PROTECT_FIRST
 from .ops import CHOICES as ATTENTION_IMPLS
 from .rotation import ROTATIONS
 from .schemes import CACHE_FIELDS as SCHEME_CACHE_FIELDS
@@ -128,6 +135,7 @@ class LowBitKVConfig(BaseModel):
                                     description="tokens per vLLM page unless --block-size is given")
     rotate: Literal[ROTATIONS] | None = None  # type: ignore[valid-type]
     rotate_seed: int | None = None
+    protect_first: Literal[PROTECT_FIRST] | None = None  # type: ignore[valid-type]
     skip_layers: list[int] = Field(default_factory=list,
                                    description="layer indices kept in the model dtype")
     obs_window: int = Field(DEFAULT_OBS_WINDOW, ge=1, le=4096,
@@ -343,6 +351,7 @@ class LowBitKVConfig(BaseModel):
             f"lowbit-kv: --kv-cache-dtype {name} ({scheme.summary}); {codec_desc}; "
             f"block_tokens={scheme.block_tokens} sink_tokens={scheme.sink_tokens} "
             f"residual_tokens={scheme.residual_tokens} rotate={scheme.rotate} "
+            f"{f'protect_first={scheme.protect_first} ' if scheme.uses_relevance else ''}"
             f"skip_layers={self.skip_layers} obs_window={self.obs_window}"
             f"{' (STP relevance)' if scheme.uses_relevance else ''}; set: {self.explicit() or '{}'}. "
             f"Effective bits/element: groups {packed:.3f} (K {kc.effective_bits:.3f}, "

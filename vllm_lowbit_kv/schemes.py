@@ -20,7 +20,7 @@ from .codecs.dynamic import DynamicCodec
 from .codecs.kivi import KiviCodec
 from .codecs.quantile1 import QuantileCodec
 from .codecs.rvq import RVQKeyCodec, RVQValueCodec
-from .codecs.vidkv import TernaryValueCodec, VidKVKeyCodec
+from .codecs.vidkv import PROTECT_FIRST, TernaryValueCodec, VidKVKeyCodec
 from .rotation import ROTATIONS, HadamardRotation
 
 #: KIVI's and VidKV's full-precision residual (R = 128 tokens)
@@ -34,7 +34,8 @@ DEFAULT_PAGE_TOKENS = 512
 MAX_PAGE_TOKENS = 8192
 #: fields of a scheme that shape the cache rather than a codec
 CACHE_FIELDS = ("block_tokens", "sink_tokens", "residual_tokens", "page_tokens", "rotate",
-                "rotate_seed")
+                "rotate_seed", "protect_first")
+
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class KVScheme:
     rotate: str = "none"
     #: seed of the rotation's random signs (drawn per layer)
     rotate_seed: int = 0
+    #: which tokens STP protects first in a group with visual tokens (:data:`PROTECT_FIRST`)
+    protect_first: str = "visual"
 
     def codecs(self, head_dim: int, block_tokens: int | None = None, layer: int | None = None
                ) -> tuple[BlockCodec, BlockCodec]:
@@ -174,6 +177,10 @@ class KVScheme:
                 self.page_tokens)
         require(self.rotate in ROTATIONS, "rotate", f"one of {list(ROTATIONS)}", self.rotate)
         require(isinstance(self.rotate_seed, int), "rotate_seed", "an int", self.rotate_seed)
+        require(self.protect_first in PROTECT_FIRST, "protect_first",
+                f"one of {list(PROTECT_FIRST)}", self.protect_first)
+        require(self.protect_first == "visual" or self.uses_relevance, "protect_first",
+                "'visual' unless the scheme protects tokens (protect > 0)", self.protect_first)
         if self.rotate != "none":
             HadamardRotation(head_dim)
 
@@ -218,6 +225,17 @@ register(KVScheme("vidkv_paper", "VidKV as in the paper: K 1.5-bit FFT, V ternar
                   VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), residual_tokens=128))
 register(KVScheme("vidkv_stp", "VidKV with Semantic Token Protection: top 20% tokens of V at 2-bit",
                   VIDKV_KEY, CodecSpec(TernaryValueCodec, {**VIDKV_VALUE, "protect": 0.2})))
+# The visual-only mode (seed 003's setting: visual KV low-bit, text KV at a higher
+# precision) in fixed-size pages: STP's protected rows (a quarter of each group, 2-bit K
+# and V with their own per-channel ranges, a token mask saying which) go to text tokens
+# first, the rest of the group is VidKV's low-bit code. Text beyond a group's protected
+# rows is coded low-bit too; every byte is counted in the bits (2.56 per element).
+register(KVScheme("vidkv_visual", "visual-only mode (seed 003): text tokens first at 2-bit K and V "
+                                  "(STP rows, 25% of each group), visual tokens VidKV 1.5-bit K / "
+                                  "ternary V; 4 exact sink tokens, 64-token residual window",
+                  CodecSpec(VidKVKeyCodec, {**VIDKV_KEY.params, "protect": 0.25}),
+                  CodecSpec(TernaryValueCodec, {**VIDKV_VALUE, "protect": 0.25}), sink_tokens=4,
+                  residual_tokens=64, page_tokens=1024, protect_first="text"))
 register(KVScheme("vidkv_k2v2", "VidKV Table 1 row: K and V both 2-bit per-channel",
                   CodecSpec(KiviCodec, {"bits": 2, "axis": "channel"}),
                   CodecSpec(KiviCodec, {"bits": 2, "axis": "channel"})))

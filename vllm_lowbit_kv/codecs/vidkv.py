@@ -255,6 +255,13 @@ def one_bit_dequantize(bits: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -
 
 # -- shared STP frame ---------------------------------------------------------------
 
+#: which tokens of a group with visual tokens the protected rows go to first (a cache
+#: field, applied to the relevance by paged.rank_protected): "visual" (eq. 7: the visual
+#: tokens the text attends to most) or "text" (seed 003's visual-only setting: text at
+#: the protected rows' 2 bits, visual tokens at the low-bit code)
+PROTECT_FIRST = ("visual", "text")
+
+
 class _STPCodec(BlockCodec):
     """Token split for STP; subclasses code the unprotected tokens (``_low_*``)."""
 

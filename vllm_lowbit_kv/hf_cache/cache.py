@@ -76,7 +76,7 @@ class LowBitKVCache(Cache):
             if self.scheme else []
         if reasons:
             raise ValueError(f"scheme {self.scheme.name}: " + "; ".join(reasons))
-        self.visual = VisualTokens()
+        self.visual = VisualTokens(self.scheme.protect_first if self.scheme else "visual")
         layers = []
         for i in range(n_layers):
             if i in self.skip_layers:
@@ -97,8 +97,9 @@ class LowBitKVCache(Cache):
     def mark_visual(self, mask: torch.Tensor) -> None:
         """Mark which tokens of the next forward are visual (image or video-frame
         placeholders): ``mask`` [B, S] bool, e.g. ``input_ids == config.image_token_id``.
-        STP then protects a group's most relevant visual tokens first, as the vLLM backend
-        does with the placeholder positions vLLM gives it; unmarked tokens are text."""
+        STP then protects a group's most relevant visual tokens first (or its text tokens,
+        with the scheme's ``protect_first: text``), as the vLLM backend does with the
+        placeholder positions vLLM gives it; unmarked tokens are text."""
         self.visual.mark(self.get_seq_length(), mask)
 
     @property

@@ -8,16 +8,18 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ..codecs.base import BlockCodec, require
-from ..paged import SINK_RELEVANCE, attention_mass, mask_sink_rows, visual_first
+from ..paged import SINK_RELEVANCE, attention_mass, mask_sink_rows, rank_protected
 from ..rotation import HadamardRotation
 from .hooks import RelevanceFn
 
 class VisualTokens:
     """Which positions of each sequence are visual (image, video-frame) tokens, marked
-    before the forward that feeds them; one record shared by a cache's layers."""
+    before the forward that feeds them, and which kind STP protects first (the scheme's
+    ``protect_first``); one record shared by a cache's layers."""
 
-    def __init__(self) -> None:
+    def __init__(self, protect_first: str = "visual") -> None:
         self.mask: torch.Tensor | None = None  # bool [B, positions marked so far]
+        self.protect_first = protect_first
 
     def mark(self, start: int, mask: torch.Tensor) -> None:
         """``mask`` [B, S] bool: positions start..start+S-1 (unmarked ones stay text)."""
@@ -262,8 +264,8 @@ class LowBitLayer(DynamicLayer):
             if rel is not None and self.visual is not None:
                 B, n = rel.shape[0], m // self.block_tokens  # ranked per group, as the pages
                 vis = self.visual.between(start, start + m, B).reshape(B * n, -1)
-                rel = visual_first(rel.reshape(B * n, self.block_tokens, -1),
-                                   vis.to(rel.device)).reshape(rel.shape)
+                rel = rank_protected(rel.reshape(B * n, self.block_tokens, -1), vis.to(rel.device),
+                                     self.visual.protect_first).reshape(rel.shape)
             keys, values = self.keys[:, :, :m], self.values[:, :, :m]
             s = min(self.sink_tokens, self.block_tokens)
             if start == 0 and s:  # group 0, as the pages code it: sink rows never count

@@ -58,8 +58,9 @@ With ``obs_window <= T`` the window's queries from earlier steps always belong
 to the group being completed, so the staging slot keeps each staged token's
 query alongside its K and V. In a multimodal request the planner is told its
 visual (image, video-frame) token positions: a group protects its most relevant
-visual tokens first, text tokens only with the rows left (:func:`visual_first`,
-VidKV's rule), in both engines.
+visual tokens first, text tokens only with the rows left (VidKV's rule), or, with
+``protect_first: text`` (the visual-only mode), its text tokens first
+(:func:`rank_protected`), in both engines.
 
 Each step: :meth:`StagingAllocator.plan_step` (once, for all layers) gives a
 :class:`ReadPlan` (each request's context, as stored before this step) and a
@@ -69,13 +70,14 @@ Each step: :meth:`StagingAllocator.plan_step` (once, for all layers) gives a
 
 from .attention import attend, attention_mass, context_keys, exact_attention, read_staged
 from .forward import forward_layer
-from .layout import SINK_RELEVANCE, PagedLayout, mask_sink_rows, visual_first
+from .layout import (PROTECT_FIRST, SINK_RELEVANCE, PagedLayout, mask_sink_rows,
+                     protected_visual, rank_protected)
 from .plan import ExactBatch, ReadPlan, StagingAllocator, WritePlan, make_read_plan
 from .write import Staging, apply_writes, encode_groups, stage_tokens
 
 __all__ = [
-    "ExactBatch", "PagedLayout", "ReadPlan", "SINK_RELEVANCE", "Staging",
+    "ExactBatch", "PROTECT_FIRST", "PagedLayout", "ReadPlan", "SINK_RELEVANCE", "Staging",
     "StagingAllocator", "WritePlan", "apply_writes", "attend", "attention_mass", "context_keys",
     "encode_groups", "exact_attention", "forward_layer", "make_read_plan", "mask_sink_rows",
-    "read_staged", "stage_tokens", "visual_first",
+    "protected_visual", "rank_protected", "read_staged", "stage_tokens",
 ]

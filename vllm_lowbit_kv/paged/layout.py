@@ -7,6 +7,7 @@ import torch
 
 from ..codecs.base import BlockCodec, require
 from ..ops.page_format import PageFormat
+from ..codecs.vidkv import PROTECT_FIRST
 from ..rotation import HadamardRotation
 
 
@@ -14,17 +15,39 @@ from ..rotation import HadamardRotation
 SINK_RELEVANCE = -1.0
 
 
-def visual_first(relevance: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:
-    """STP relevance [E, T, H] with the visual tokens (``visual`` [E, T] bool) ranked above
-    every text token and in their own order among themselves: VidKV protects the visual
-    tokens most attended by the text (VidKV eq. 7); text tokens win only the protected
-    rows a group has left over. One definition for the pages and the transformers cache,
-    so the two store the same bytes."""
-    if not bool(visual.any()):
+def rank_protected(relevance: torch.Tensor, visual: torch.Tensor, first: str = "visual"
+                   ) -> torch.Tensor:
+    """STP relevance [E, T, H] with the tokens of kind ``first`` (``visual`` [E, T] bool
+    says which tokens are visual) ranked above the others, each kind in its own order:
+
+    * ``"visual"``: VidKV protects the visual tokens most attended by the text (VidKV
+      eq. 7); text tokens win only the protected rows a group has left over;
+    * ``"text"``: the visual-only mode (seed 003's setting): text tokens are protected
+      (kept at the higher precision), visual tokens get the low-bit codec and only the
+      rows text leaves over.
+
+    Groups whose tokens are all of one kind keep their order as it is. One definition
+    for the pages and the transformers cache, so the two store the same bytes."""
+    require(first in PROTECT_FIRST, "protect_first", f"one of {list(PROTECT_FIRST)}", first)
+    chosen = visual if first == "visual" else ~visual
+    mixed = chosen.any(dim=1) & ~chosen.all(dim=1)
+    if not bool(mixed.any()):
         return relevance
     # per group, so a group ranks alike however many groups are encoded with it
     lift = relevance.amax(dim=(1, 2), keepdim=True).clamp(min=0) + 1.0
-    return relevance + visual.unsqueeze(-1).to(relevance.dtype) * lift
+    return relevance + (chosen & mixed.unsqueeze(1)).unsqueeze(-1).to(relevance.dtype) * lift
+
+
+def protected_visual(visual: torch.Tensor, rows: int, first: str = "visual",
+                     candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """long [E]: visual tokens each group protects when STP keeps ``rows`` rows ranked by
+    :func:`rank_protected`. ``visual`` [E, T] bool marks the visual tokens, ``candidates``
+    [E, T] bool the tokens that compete for the rows (default all; sink rows rank last)."""
+    n_visual = (visual if candidates is None else visual & candidates).sum(dim=1)
+    if first == "visual":
+        return n_visual.clamp(max=rows)
+    text = ~visual if candidates is None else ~visual & candidates
+    return torch.minimum(n_visual, (rows - text.sum(dim=1)).clamp(min=0))
 
 
 class PagedLayout:
@@ -34,7 +57,7 @@ class PagedLayout:
 
     def __init__(self, key_codec: BlockCodec, value_codec: BlockCodec, num_kv_heads: int,
                  block_size: int, sink_tokens: int = 0, sink_dtype: torch.dtype = torch.bfloat16,
-                 rotation: HadamardRotation | None = None):
+                 rotation: HadamardRotation | None = None, protect_first: str = "visual"):
         T = key_codec.block_tokens
         require(value_codec.block_tokens == T, "value codec block_tokens",
                 f"equal to the key codec's ({T})", value_codec.block_tokens)
@@ -55,6 +78,10 @@ class PagedLayout:
         self.sink_tokens, self.sink_dtype = sink_tokens, sink_dtype
         #: K and V head vectors are rotated before encoding (codec space = rotated space)
         self.rotation = rotation
+        require(protect_first in PROTECT_FIRST, "protect_first", f"one of {list(PROTECT_FIRST)}",
+                protect_first)
+        #: which tokens of a group STP protects first (:func:`rank_protected`)
+        self.protect_first = protect_first
         self._elt = torch.empty(0, dtype=sink_dtype).element_size()
         #: bytes of the sink area per head: K rows [s, D] then V rows [s, D]
         self.sink_bytes = 2 * sink_tokens * self.D * self._elt

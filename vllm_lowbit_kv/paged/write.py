@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import SINK_RELEVANCE, PagedLayout, mask_sink_rows, visual_first
+from .layout import SINK_RELEVANCE, PagedLayout, mask_sink_rows, rank_protected
 from .plan import WritePlan
 
 
@@ -68,7 +68,8 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
     tk[plan.enc_row, plan.enc_off] = key[plan.enc_tok].float()
     tv[plan.enc_row, plan.enc_off] = value[plan.enc_tok].float()
     if relevance is not None and plan.enc_visual is not None:
-        relevance = visual_first(relevance, plan.enc_visual.to(relevance.device))
+        relevance = rank_protected(relevance, plan.enc_visual.to(relevance.device),
+                                   layout.protect_first)
     if plan.enc_sink.numel() and bool((plan.enc_sink > 0).any()):
         relevance = None if relevance is None else relevance.clone()
         for e in torch.nonzero(plan.enc_sink > 0).flatten().tolist():

@@ -34,7 +34,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from ..config import LowBitKVConfigError
 from ..kv_stats import VISUAL
 from ..ops import select_implementation
-from ..paged import PagedLayout, ReadPlan, Staging, StagingAllocator, WritePlan, forward_layer
+from ..paged import (PagedLayout, ReadPlan, Staging, StagingAllocator, WritePlan, forward_layer,
+                     protected_visual)
 from . import BACKEND_NAME, is_lowbit_dtype
 from .eviction import compact_ordered, compacted_rows, forget_requests, layer_read_plan
 from .resolve import (device_type, model_dtype, page_layout, resolve, resolve_config,
@@ -235,14 +236,14 @@ class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
                 freed, self.alloc.in_use)
 
     def _count_visual(self, write: WritePlan) -> None:
-        """Visual tokens the step encodes, and those STP protects: a group protects
-        min(protected rows, its visual tokens) of them (paged.visual_first), sink rows
-        never."""
-        visual = write.enc_visual.clone()
+        """Visual tokens the step encodes, and those STP protects (paged.protected_visual:
+        the protected rows go to visual or to text tokens first), sink rows never."""
+        candidates = torch.ones_like(write.enc_visual)
         for e, sinks in enumerate(write.enc_sink.tolist()):
-            visual[e, :sinks] = False
+            candidates[e, :sinks] = False
         rows = getattr(self.layout.value_codec, "n_protect", 0) if self.protects else 0
-        VISUAL.record(int(write.enc_visual.sum()), int(visual.sum(1).clamp(max=rows).sum()))
+        protected = protected_visual(write.enc_visual, rows, self.layout.protect_first, candidates)
+        VISUAL.record(int(write.enc_visual.sum()), int(protected.sum()))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> LowBitKVMetadata:

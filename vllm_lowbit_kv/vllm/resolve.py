@@ -62,7 +62,7 @@ def page_layout(scheme: KVScheme, head_size: int, num_kv_heads: int, block_size:
     code, the byte layout is the same for every layer."""
     kc, vc = scheme.codecs(head_size, layer=layer)
     return PagedLayout(kc, vc, num_kv_heads, block_size, scheme.sink_tokens, dtype,
-                       scheme.rotation(head_size, layer))
+                       scheme.rotation(head_size, layer), scheme.protect_first)
 
 
 def model_dtype() -> torch.dtype:
