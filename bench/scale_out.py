@@ -136,26 +136,51 @@ def drift(reference: torch.Tensor, scaled: torch.Tensor) -> dict[str, float]:
                 max_abs_nats=round(float(d.max()), 3))
 
 
-def measure(dtypes: Sequence[str], log=print) -> list[dict]:
-    """For every dtype: one process, then each of :data:`PARALLEL`, teacher-forced on
-    :func:`drift_text`; rows of drift against one process (and, for the low-bit dtypes,
+#: greedy continuations compared between a scaled server and one process
+GREEDY_PROMPTS = ("The capital of France is", "Once upon a time, in a small village,",
+                  "The three primary colors are", "def fibonacci(n):")
+GREEDY_TOKENS = 32
+#: ``--matched``: one process set up as each pipeline rank is, one OpenMP thread and the
+#: model traced as the launcher traces it with pipeline parallelism, so that the
+#: comparison with pp2 leaves only the split into stages
+MATCHED_ONE_ARGS = ["--compilation-config", json.dumps({"mode": 3, "backend": "eager"})]
+MATCHED_ONE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+
+
+def greedy(server) -> list[list[int]]:
+    """:data:`GREEDY_TOKENS` greedy tokens for each of :data:`GREEDY_PROMPTS`."""
+    return [server.post("/v1/completions", {
+        "model": server.model_name, "prompt": p, "max_tokens": GREEDY_TOKENS, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True})["choices"][0]["token_ids"]
+        for p in GREEDY_PROMPTS]
+
+
+def measure(dtypes: Sequence[str], log=print, matched: bool = False) -> list[dict]:
+    """For every dtype: one process, then each of :data:`PARALLEL` (``matched``: pp2 only,
+    against one process set up as a pipeline rank), teacher-forced on :func:`drift_text`;
+    rows of drift and greedy agreement against one process (and, for the low-bit dtypes,
     the quantization error against one bf16 process, for scale)."""
     from bench.server import Server
 
     text, rows, one = drift_text(), [], {}
+    one_args, one_env = (MATCHED_ONE_ARGS, MATCHED_ONE_ENV) if matched else ([], {})
+    layouts = {"one": []} | ({"pp2": PARALLEL["pp2"]} if matched else PARALLEL)
     for dtype in dtypes:
-        for layout, flags in {"one": [], **PARALLEL}.items():
-            with Server(["--kv-cache-dtype", dtype, *SERVER_ARGS, *flags]).start() as s:
-                logprobs = teacher_forced(s, text)
+        for layout, flags in layouts.items():
+            args, env = (one_args, one_env) if layout == "one" else (flags, {})
+            with Server(["--kv-cache-dtype", dtype, *SERVER_ARGS, *args], env=env).start() as s:
+                logprobs, tokens = teacher_forced(s, text), greedy(s)
             log(f"{dtype} {layout}: mean log p {float(logprobs.mean()):.4f}")
             if layout == "one":
-                one[dtype] = logprobs
+                one[dtype] = logprobs, tokens
                 if dtype != dtypes[0]:
                     rows.append(dict(dtype=dtype, layout="one", against=f"{dtypes[0]} one",
-                                     **drift(one[dtypes[0]], logprobs)))
+                                     **drift(one[dtypes[0]][0], logprobs)))
                 continue
+            same = sum(a == b for a, b in zip(tokens, one[dtype][1]))
             rows.append(dict(dtype=dtype, layout=layout, against=f"{dtype} one",
-                             **drift(one[dtype], logprobs)))
+                             **drift(one[dtype][0], logprobs), greedy_equal=same,
+                             greedy_prompts=len(GREEDY_PROMPTS)))
     return rows
 
 
@@ -180,6 +205,9 @@ def main(argv: Sequence[str] | None = None) -> str | list[dict]:
     parser = argparse.ArgumentParser(prog="python -m bench.scale_out", description=__doc__.splitlines()[0])
     parser.add_argument("--measure", action="store_true", help="measure drift through real servers")
     parser.add_argument("--dtypes", default="auto,vidkv,kivi2", help="first: the reference dtype")
+    parser.add_argument("--matched", action="store_true",
+                        help="--measure pp2 only, against one process with one OpenMP thread and "
+                             "the model traced as pipeline ranks are")
     parser.add_argument("--json", help="--measure: write the rows here")
     parser.add_argument("--png", help="--measure: plot them here")
     args = parser.parse_args(argv)
@@ -189,14 +217,19 @@ def main(argv: Sequence[str] | None = None) -> str | list[dict]:
         return text
     t0 = time.time()
     rows = measure([d.strip() for d in args.dtypes.split(",")],
-                   log=lambda s: print(s, file=sys.stderr, flush=True))
+                   log=lambda s: print(s, file=sys.stderr, flush=True), matched=args.matched)
     for r in rows:
         print(f"{r['dtype']:>8} {r['layout']:>4} vs {r['against']:<10} mean |d| {r['mean_abs_nats']:.4f} "
-              f"max {r['max_abs_nats']:.3f} over {r['tokens']} tokens")
+              f"max {r['max_abs_nats']:.3f} over {r['tokens']} tokens"
+              + (f", greedy equal {r['greedy_equal']}/{r['greedy_prompts']}" if "greedy_equal" in r
+                 else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
             command="python -m bench.scale_out " + " ".join(argv), model="SmolLM2-135M-Instruct",
-            server_args=SERVER_ARGS, parallel=PARALLEL, drift_limit_nats=DRIFT_LIMIT_NATS,
+            server_args=SERVER_ARGS, drift_limit_nats=DRIFT_LIMIT_NATS,
+            parallel={"pp2": PARALLEL["pp2"]} if args.matched else PARALLEL,
+            one_process=dict(args=MATCHED_ONE_ARGS, env=MATCHED_ONE_ENV) if args.matched else
+            "the launcher's defaults", greedy_prompts=GREEDY_PROMPTS, greedy_tokens=GREEDY_TOKENS,
             machine=machine.describe(), rows=rows,
             elapsed_s=round(time.time() - t0, 1)), indent=1))
     if args.png:

@@ -42,7 +42,7 @@ def test_cli_writes_table_json_and_png(tiny, capsys):
             "--json", str(root / "q.json"), "--png", str(root / "q.png"), "--max-tokens", "300",
             "--chunk", "64", "--passkey-lengths", "256,512", "--passkey-trials", "1",
             "--agreement-prompts", "4", "--agreement-prompt-tokens", "100", "--agreement-tokens", "6",
-            "--sink-tokens", "4", "--no-progress"]
+            "--sink-tokens", "4", "--chat-prompts", "2", "--no-progress"]
     quality.main(argv)
     out = capsys.readouterr().out
     assert "kivi2" in out and "PPL" in out
@@ -78,7 +78,8 @@ def test_cli_eviction_rows(tiny):
             "--json", str(root / "e.json"), "--png", str(root / "e.png"), "--max-tokens", "300",
             "--chunk", "64", "--passkey-lengths", "256", "--agreement-prompts", "1",
             "--agreement-prompt-tokens", "100", "--agreement-tokens", "4", "--sink-tokens", "4",
-            "--kv-eviction", "flashcache,recency", "--kv-retention", "0.3,1", "--no-progress"]
+            "--chat-prompts", "1", "--kv-eviction", "flashcache,recency", "--kv-retention", "0.3,1",
+            "--no-progress"]
     res = quality.main(argv)
     assert res["settings"]["eviction"]["ppl_prompt_tokens"] == 128
     assert res["settings"]["eviction"]["ppl_scored_tokens"] == 299 - 128
@@ -131,7 +132,7 @@ def test_cli_eviction_one_engine_per_policy(tiny, monkeypatch):
     argv = ["--model", str(model_dir), "--text-file", str(text), "--kv-cache-dtype", "kivi4",
             "--max-tokens", "200", "--chunk", "64", "--passkey-lengths", "256",
             "--agreement-prompts", "1", "--agreement-prompt-tokens", "100", "--agreement-tokens", "4",
-            "--kv-eviction", "recency", "--kv-retention", "0.5", "--no-progress"]
+            "--chat-prompts", "1", "--kv-eviction", "recency", "--kv-retention", "0.5", "--no-progress"]
     shared = quality.main(argv)
     monkeypatch.setitem(quality.ENGINES, "split", _OneServerPerPolicy)
     split = quality.main(argv + ["--engine", "split"])
