@@ -243,9 +243,23 @@ def add_ratios(rows: list[dict]) -> None:
             p["x_bf16"] = ratios
 
 
+def codebook_config(model: str, dtype: str) -> dict[str, str] | None:
+    """The lowbit_kv fields a scheme with learned codebooks (``rvq*``) needs: the model's
+    default codebook file, calibrated on first use (:func:`~vllm_lowbit_kv.calibrate.ensure_codebook`);
+    None for every other dtype."""
+    from vllm_lowbit_kv.schemes import SCHEMES
+
+    if dtype not in SCHEMES or not SCHEMES[dtype].key.accepts("codebook"):
+        return None
+    from vllm_lowbit_kv.calibrate import CalibrationConfig, ensure_codebook
+
+    return {"codebook": str(ensure_codebook(model, CalibrationConfig(scheme=dtype), progress=False))}
+
+
 def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]:
     server = measurement_server(args.model, dtype, chunk=args.chunk, max_model_len=args.max_model_len,
-                                max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB))
+                                max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB),
+                                additional_config=codebook_config(args.model, dtype))
     # the machine may be shared: its load during the measurement is part of the result
     row: dict[str, Any] = dict(dtype=dtype, status="ok", reason=None,
                                loadavg_start=[round(x, 2) for x in os.getloadavg()])

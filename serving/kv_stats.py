@@ -95,6 +95,7 @@ class SchemeInfo(BaseModel):
     sink_tokens: int
     residual_tokens: int = Field(description="most recent tokens read in bf16 from staging")
     rotate: str
+    protect_first: str = Field(description="which tokens STP protects first: visual or text")
     page_tokens: int = Field(description="tokens per vLLM page (the block size)")
     skip_layers: list[int] = Field(description="layers kept in the model dtype")
     obs_window: int = Field(description="queries scoring STP relevance")
@@ -165,6 +166,9 @@ class KVCacheStats(BaseModel):
     eviction: Eviction | None
     visual: Visual | None = Field(description="multimodal requests' visual tokens (every rank "
                                   "sees the same tokens: rank 0's figures)")
+    attention_impls: list[str] | None = Field(
+        None, description="packed-attention implementations the workers run (cpp, torch, "
+        "...); None for vLLM's own dtypes")
     workers: int | None = Field(None, description="worker ranks whose figures are added up "
                                 "(tensor x pipeline parallel size)")
     worker_error: str | None = Field(None, description="why the worker figures are stale")
@@ -187,6 +191,7 @@ def merge_ranks(answers: list[dict[str, Any]]) -> dict[str, Any]:
         values = [a.get(key) for a in answers]
         out[key] = None if any(v is None for v in values) else sum(values)
     out["eviction_enabled"] = any(a.get("eviction_enabled") for a in answers)
+    out["attention_impls"] = sorted({i for a in answers for i in a.get("attention_impls", ())})
     out["ranks"] = len(answers)
     return out
 
@@ -340,6 +345,7 @@ class KVStats:
             lowbit=self.lowbit, scheme=self.scheme_info,
             effective_bits=EffectiveBits(**self.bits, allocated=allocated), capacity=capacity,
             blocks=blocks, staging=staging, eviction=eviction, visual=visual,
+            attention_impls=w.get("attention_impls") if w and self.lowbit else None,
             workers=w.get("ranks"),
             worker_error=self.worker_error)
 

@@ -37,8 +37,10 @@ FORMATS = [
     ("vidkv", {}), ("vidkv_stp", {}), ("kivi2", {}), ("kivi4", {}), ("vidkv_k2v2", {}),
     ("vidkv_k15v2", {}), ("vidkv", {"fft": False}), ("vidkv", {"one_bit": "sign"}),
     ("vidkv", {"one_bit": "minmax", "k": 0.75}), ("kivi2", {"group_size": 16}),
-    ("vidkv_stp", {"protect": 0.3}),
+    ("vidkv_stp", {"protect": 0.3}), ("vidkv_visual", {}),
 ]
+#: RVQ pages (seeded random codebooks): the paper's 11-bit indices, 8-bit ones, both groupings
+RVQ_SCHEMES = ["rvq", "rvq8x256", "rvq2x256"]  # 11-bit and 8-bit indices; keys strided, values not
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,7 +52,7 @@ def built():
 def layout_for(scheme, params, H, T, block_size, sinks=0, D=64):
     s = get_scheme(scheme)
     s = s.with_params(**params) if params else s
-    kc, vc = s.codecs(D, T)
+    kc, vc = s.codecs(D, T, layer=0)
     return PagedLayout(kc, vc, H, block_size, sinks)
 
 
@@ -102,6 +104,19 @@ def test_kernel_matches_reference(scheme, params, dtype):
     pages, table, ng, q_start, query = random_case(layout, n_groups, q_rows, Hq=9, seed=1)
     skip = torch.tensor([4, 0, 32, 0, 7, 0])  # request 2 skips its only group
     check(layout, pages, table, ng, q_start, query.to(dtype), skip)
+
+
+@pytest.mark.parametrize("scheme", RVQ_SCHEMES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_reads_rvq_pages(scheme, dtype, rvq_codebook_file):
+    """RVQ pages, decoded group by group from the layer's codebooks (seeded random codes):
+    the cases of test_kernel_matches_reference, and the kernel is what ``auto`` picks."""
+    layout = layout_for(scheme, {"codebook": str(rvq_codebook_file(scheme))}, H=3, T=32,
+                        block_size=96, sinks=4)
+    pages, table, ng, q_start, query = random_case(layout, [5, 0, 1, 24, 1, 3], [3, 1, 1, 1, 2, 0],
+                                                   Hq=9, seed=11)
+    check(layout, pages, table, ng, q_start, query.to(dtype), torch.tensor([4, 0, 32, 0, 7, 0]))
+    assert select_implementation(layout.format, "cpu", gqa=3)[0] == "cpp"
 
 
 @settings(max_examples=25, deadline=None)

@@ -29,6 +29,8 @@ H, T = 2, 16
 #: the schemes whose codecs the C++, Triton and CUDA kernels read (their module docs)
 KERNEL_SCHEMES = {"kivi2", "kivi4", "vidkv", "vidkv_paper", "vidkv_stp", "vidkv_k2v2",
                   "vidkv_k15v2"}
+#: and those only the C++ kernel reads: STP on keys, RVQ
+CPP_ONLY_SCHEMES = {"vidkv_visual", "rvq", "rvq8x256", "rvq4x256", "rvq2x256"}
 CUDA_AVAILABLE = torch.cuda.is_available()
 
 
@@ -40,11 +42,13 @@ def documented_limit(impl: str, scheme: str, device: str, gqa: int, D: int) -> s
     if impl == "cpp":
         if device != "cpu":
             return f"runs on the CPU, not {device}"
-        if scheme not in KERNEL_SCHEMES:
-            return "reads KIVI per-channel / VidKV keys"
+        if scheme not in KERNEL_SCHEMES | CPP_ONLY_SCHEMES:
+            return "reads KIVI per-channel / VidKV / RVQ keys"
         return None  # head sizes here are multiples of 16; any GQA
     if device != "cuda":
         return f"on CUDA devices, not {device}"
+    if scheme == "vidkv_visual":
+        return "VidKV keys with STP"
     if scheme not in KERNEL_SCHEMES:
         return "reads KIVI per-channel / VidKV keys"
     if D & (D - 1):

@@ -41,6 +41,10 @@ def test_static_figures_match_vllm_and_the_backend(server):
     assert scheme["sink_tokens"] == LOWBIT["sink_tokens"] and scheme["obs_window"] == 32
     assert scheme["set_fields"] == LOWBIT
     assert scheme["key_codec"].startswith("VidKVKeyCodec(") and "protect=0.2" in scheme["value_codec"]
+    assert scheme["protect_first"] == "visual"
+    # the implementation the backend logged choosing: the C++ kernel reads vidkv pages
+    impls = sorted(set(re.findall(r"packed attention implementation: (\w+)", server.log.read_text())))
+    assert stats["attention_impls"] == impls == ["cpp"]
 
     cap, blocks = stats["capacity"], stats["blocks"]
     assert cap["tokens"] == int(info["kv_cache_size_tokens"]) == NUM_BLOCKS * BLOCK

@@ -382,7 +382,8 @@ def test_calibrate_refuses_other_schemes_and_bad_settings(model_dir, tmp_path):
 @pytest.mark.slow
 def test_vllm_serves_rvq_like_the_reference(tiny_codebook, model_dir):
     """One server, --kv-cache-dtype rvq4x256 with the calibrated file, prefill in chunks of
-    64 tokens so every later chunk reads packed pages: its log-probs agree with the
+    64 tokens so every later chunk reads packed pages (the C++ kernel, decoding each group
+    with its layer's codebooks): its log-probs agree with the
     transformers cache using the same codec and codebooks (a layer given another layer's
     codebooks would not), and a greedy continuation of a long prompt is fluent."""
     pytest.importorskip("vllm")
@@ -390,7 +391,7 @@ def test_vllm_serves_rvq_like_the_reference(tiny_codebook, model_dir):
 
     from vllm_lowbit_kv.corpus import default_text
     from bench.quality import HFEngine
-    from bench.server import measurement_server
+    from bench.server import STATS_ROUTE, get_json, measurement_server
 
     C, N = 64, 384
     ids = AutoTokenizer.from_pretrained(model_dir)(default_text()).input_ids[:N]
@@ -403,6 +404,9 @@ def test_vllm_serves_rvq_like_the_reference(tiny_codebook, model_dir):
         server.wait_ready()
         log = server.log_text()
         assert "lowbit-kv: --kv-cache-dtype rvq4x256" in log and "outside the pages: codebooks" in log
+        # the C++ kernel reads RVQ pages: the start-up log and the stats say so
+        assert server.attention_impls() == ["cpp"]
+        assert get_json(server.port, STATS_ROUTE)["attention_impls"] == ["cpp"]
         assert server.served_bits()["groups"] == pytest.approx(1.25)
         vl = server.prompt_logprobs(ids)
         text = server.completion(prompt=ids[:300], max_tokens=32, temperature=0)["text"]

@@ -112,10 +112,13 @@ def test_worker_figures_add_up_over_ranks():
     from serving.kv_stats import merge_ranks
 
     rank = dict(staging_pools=1, staging_slots_total=12, staging_slots_in_use=3, staging_stale_reused=0,
-                eviction_enabled=True, evicted_pairs=100, kv_cache_bytes=1000, num_blocks=10)
-    merged = merge_ranks([rank, {**rank, "evicted_pairs": 50, "eviction_enabled": False}])
+                eviction_enabled=True, evicted_pairs=100, kv_cache_bytes=1000, num_blocks=10,
+                attention_impls=["cpp"])
+    merged = merge_ranks([rank, {**rank, "evicted_pairs": 50, "eviction_enabled": False,
+                                 "attention_impls": ["cpp", "torch"]}])
     assert merged == {**rank, "staging_pools": 2, "staging_slots_total": 24, "staging_slots_in_use": 6,
-                      "evicted_pairs": 150, "kv_cache_bytes": 2000, "ranks": 2}
+                      "evicted_pairs": 150, "kv_cache_bytes": 2000, "ranks": 2,
+                      "attention_impls": ["cpp", "torch"]}
     assert merge_ranks([rank, {**rank, "kv_cache_bytes": None}])["kv_cache_bytes"] is None
     with pytest.raises(RuntimeError):
         merge_ranks([])

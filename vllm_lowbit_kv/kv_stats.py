@@ -73,6 +73,10 @@ class VisualCounter:
 
 VISUAL = VisualCounter()
 
+#: packed-attention implementations this worker's layers run (``cpp``, ``torch``, ...: the
+#: backend adds each one as it logs choosing it)
+ATTENTION_IMPLS: set[str] = set()
+
 
 def scheme_config(vllm_config: Any) -> dict[str, Any]:
     """The effective configuration of a lowbit-kv ``--kv-cache-dtype``, as the engine runs it,
@@ -95,7 +99,8 @@ def scheme_config(vllm_config: Any) -> dict[str, Any]:
         name=str(cc.cache_dtype), summary=scheme.summary, key_codec=describe_codec(kc),
         value_codec=describe_codec(vc), block_tokens=scheme.block_tokens,
         sink_tokens=scheme.sink_tokens, residual_tokens=scheme.residual_tokens,
-        rotate=scheme.rotate, page_tokens=int(cc.block_size), skip_layers=skip,
+        rotate=scheme.rotate, protect_first=scheme.protect_first, page_tokens=int(cc.block_size),
+        skip_layers=skip,
         obs_window=cfg.obs_window, stp_relevance=bool(scheme.uses_relevance),
         eviction=eviction, attention_impl=cfg.attention_impl or "auto",
         set_fields=cfg.explicit())
@@ -117,7 +122,8 @@ def worker_snapshot(worker: Any = None, pools: Sequence[Any] = ()) -> dict[str, 
     :class:`~vllm_lowbit_kv.paged.StagingAllocator` of each of the worker's metadata builders),
     which the KV budget pays for (:func:`~vllm_lowbit_kv.vllm.resolve.staging_bytes`);
     ``eviction_enabled`` / ``evicted_pairs``: :data:`EVICTION`;
-    ``visual_tokens`` / ``visual_tokens_protected``: :data:`VISUAL`.
+    ``visual_tokens`` / ``visual_tokens_protected``: :data:`VISUAL`;
+    ``attention_impls``: :data:`ATTENTION_IMPLS`.
     """
     if not EVICTION.enabled and _eviction_configured(getattr(worker, "vllm_config", None)):
         EVICTION.enable()
@@ -130,6 +136,7 @@ def worker_snapshot(worker: Any = None, pools: Sequence[Any] = ()) -> dict[str, 
         evicted_pairs=EVICTION.evicted_pairs,
         visual_tokens=VISUAL.encoded,
         visual_tokens_protected=VISUAL.protected,
+        attention_impls=sorted(ATTENTION_IMPLS),
         kv_cache_bytes=None,
         num_blocks=None,
     )

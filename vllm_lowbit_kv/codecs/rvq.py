@@ -329,6 +329,11 @@ class RVQCodec(BlockCodec):
         return Layout((("codes", packed_len(n_idx, self.index_bits)),
                        ("std", 2 * self.block_tokens)))
 
+    @property
+    def codewords(self) -> torch.Tensor:
+        """float32 [K, C, d^]: this codec's codebooks (its layer's), what kernels read."""
+        return self._codebooks()[0]
+
     def _codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._books is None:
             missing = "a codebook file (lowbit_kv field 'codebook')" if self.file is None else \

@@ -14,9 +14,11 @@ Page formats the kernel reads (:func:`format_reason`): keys
 :class:`~vllm_lowbit_kv.codecs.vidkv.VidKVKeyCodec` (any k, FFT or not, any
 ``one_bit``, with or without STP); values ``KiviCodec`` per token or per channel
 or :class:`~vllm_lowbit_kv.codecs.vidkv.TernaryValueCodec` (with or without
-STP); head_dim a multiple of 16; any number of query heads per KV head. That
-covers ``vidkv``, ``vidkv_paper``, ``vidkv_stp``, ``kivi2``, ``kivi4``,
-``vidkv_k2v2`` and ``vidkv_k15v2``. The kernel's arguments are derived from the
+STP); RVQ keys and values (:mod:`~vllm_lowbit_kv.codecs.rvq`, any K, C up to
+2^16, either grouping; the layer's codebooks travel with the call); head_dim a
+multiple of 16; any number of query heads per KV head. That covers ``vidkv``,
+``vidkv_paper``, ``vidkv_stp``, ``vidkv_visual``, ``kivi2``, ``kivi4``,
+``vidkv_k2v2``, ``vidkv_k15v2`` and the ``rvq*`` schemes. The kernel's arguments are derived from the
 :class:`~vllm_lowbit_kv.ops.page_format.PageFormat` (:class:`Descriptors`). One
 known difference from the reference codecs: they clamp decoded VidKV/ternary
 elements to +-65504, the kernel (which never rebuilds keys) does not; it only
@@ -41,8 +43,8 @@ import torch
 
 from ..paths import extension_build_root
 from . import reference
-from .page_format import (KEY_KIVI_CHANNEL, KEY_VIDKV, VAL_KIVI_CHANNEL, VAL_KIVI_TOKEN,
-                          VAL_TERNARY, PageFormat, PageGeometry, attention_outputs, fft_matrix,
+from .page_format import (KEY_KIVI_CHANNEL, KEY_RVQ, KEY_VIDKV, VAL_KIVI_CHANNEL, VAL_KIVI_TOKEN,
+                          VAL_RVQ, VAL_TERNARY, PageFormat, PageGeometry, attention_outputs, fft_matrix,
                           kernel_codec_reason, page_format)
 
 logger = logging.getLogger("vllm.lowbit_kv.ops")
@@ -125,19 +127,33 @@ class Descriptors:
     key: list[int]
     value: list[int]
     fft_map: torch.Tensor  # float32 [n1, n1] (A transposed, A: components -> channels), or empty
+    codebooks: torch.Tensor  # float32: RVQ keys' codebooks then values' (the layer's), or empty
+
+
+def _rvq(kind: int, codec, offset) -> list[int]:
+    """RVQ descriptor: kind, K, C, index bits, d^, strided, codes, std (enum Rvq)."""
+    return [kind, codec.num_codebooks, codec.codebook_size, codec.index_bits, codec.group_size,
+            int(codec.grouping == "strided"), offset("codes"), offset("std")]
 
 
 def _descriptors(fmt: PageFormat) -> Descriptors:
     k = fmt.koff
     v = lambda f: fmt.voff(f) - fmt.k_bytes if f in fmt.val_off else -1  # noqa: E731
-    if fmt.key_kind == KEY_KIVI_CHANNEL:
+    books = []  # the layer's RVQ codebooks, keys' then values'
+    if fmt.key_kind == KEY_RVQ:
+        books.append(fmt.key_codec.codewords.reshape(-1))
+        key = _rvq(KEY_RVQ, fmt.key_codec, k)
+    elif fmt.key_kind == KEY_KIVI_CHANNEL:
         key = [KEY_KIVI_CHANNEL, fmt.key_bits, k("codes"), k("scale"), k("zero")]
     else:
         lo, hi = ("s1", "s1") if fmt.sign else ("lo1", "hi1")
         key = [KEY_VIDKV, fmt.n2, fmt.n1, fmt.key_protect, int(fmt.sign), k("prot_scale"),
                k("prot_zero"), k("tok_mask"), k("prot_codes"), k("chan_mask"), k("scale2"),
                k("zero2"), k("codes2"), k("codes1"), k(lo), k(hi)]
-    if fmt.val_kind == VAL_KIVI_TOKEN:
+    if fmt.val_kind == VAL_RVQ:
+        books.append(fmt.value_codec.codewords.reshape(-1))
+        value = _rvq(VAL_RVQ, fmt.value_codec, v)
+    elif fmt.val_kind == VAL_KIVI_TOKEN:
         value = [VAL_KIVI_TOKEN, fmt.val_bits, fmt.val_group, v("codes"), v("scale"), v("zero")]
     elif fmt.val_kind == VAL_KIVI_CHANNEL:
         value = [VAL_KIVI_CHANNEL, fmt.val_bits, v("codes"), v("scale"), v("zero")]
@@ -147,7 +163,8 @@ def _descriptors(fmt: PageFormat) -> Descriptors:
     fft = fft_matrix("inverse_t", fmt.n1, fmt.n1, "cpu") if fmt.fft else torch.empty(0)
     geometry = [fmt.T, fmt.D, fmt.H, fmt.groups_per_block, fmt.sink_bytes, fmt.state_bytes,
                 fmt.k_bytes]
-    return Descriptors(geometry, key, value, fft)
+    codebooks = torch.cat(books).float().contiguous() if books else torch.empty(0)
+    return Descriptors(geometry, key, value, fft, codebooks)
 
 
 _descriptor_cache: "weakref.WeakKeyDictionary[PageFormat, Descriptors]" = \
@@ -158,7 +175,7 @@ def format_reason(fmt: PageFormat) -> str | None:
     """None when the kernel reads pages of this format, else why not."""
     if fmt.D % LANES:
         return f"head_dim {fmt.D} (the kernel needs a multiple of {LANES})"
-    return kernel_codec_reason(fmt, vidkv_key_stp=True)
+    return kernel_codec_reason(fmt, vidkv_key_stp=True, rvq=True)
 
 
 def supports(fmt: PageFormat, device: torch.device | str, gqa: int) -> str | None:
@@ -196,7 +213,7 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
     torch.ops.lowbit_kv.packed_attention(
         query, as_long(q_start), fmt.flat_pages(pages), as_long(group_table),
         as_long(num_groups), as_long(skip_tokens), float(scale),
-        desc.geometry, desc.key, desc.value, desc.fft_map, out, lse)
+        desc.geometry, desc.key, desc.value, desc.fft_map, desc.codebooks, out, lse)
     return out, lse
 
 

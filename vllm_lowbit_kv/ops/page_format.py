@@ -27,12 +27,13 @@ import torch
 
 from ..codecs.base import BlockCodec, require
 from ..codecs.kivi import KiviCodec
+from ..codecs.rvq import RVQCodec
 from ..codecs.vidkv import (ONE_BIT_MODES, TernaryValueCodec, VidKVKeyCodec, irfft_unique,
                             rfft_unique)
 
 # codec kinds the kernels dispatch on (also the integer codes of csrc/)
-KEY_KIVI_CHANNEL, KEY_VIDKV = 0, 1
-VAL_KIVI_TOKEN, VAL_KIVI_CHANNEL, VAL_TERNARY = 0, 1, 2
+KEY_KIVI_CHANNEL, KEY_VIDKV, KEY_RVQ = 0, 1, 2
+VAL_KIVI_TOKEN, VAL_KIVI_CHANNEL, VAL_TERNARY, VAL_RVQ = 0, 1, 2, 3
 #: a codec no kernel reads (the reference decodes it)
 OTHER = -1
 #: byte alignment of a group state (vLLM zeroes new blocks in 4-byte words and needs
@@ -63,12 +64,16 @@ def _offsets(codec: BlockCodec, base: int = 0) -> dict[str, int]:
 def _key_kind(kc: BlockCodec) -> int:
     if type(kc) is KiviCodec and kc.axis == "channel":
         return KEY_KIVI_CHANNEL
+    if isinstance(kc, RVQCodec):
+        return KEY_RVQ
     return KEY_VIDKV if type(kc) is VidKVKeyCodec else OTHER
 
 
 def _value_kind(vc: BlockCodec) -> int:
     if type(vc) is KiviCodec:
         return VAL_KIVI_TOKEN if vc.axis == "token" else VAL_KIVI_CHANNEL
+    if isinstance(vc, RVQCodec):
+        return VAL_RVQ
     return VAL_TERNARY if type(vc) is TernaryValueCodec else OTHER
 
 
@@ -197,19 +202,21 @@ def page_format(page: PageFormat | PageGeometry) -> PageFormat:
     return page if isinstance(page, PageFormat) else page.format
 
 
-def kernel_codec_reason(fmt: PageFormat, vidkv_key_stp: bool) -> str | None:
+def kernel_codec_reason(fmt: PageFormat, vidkv_key_stp: bool, rvq: bool = False) -> str | None:
     """None when a kernel reading KIVI per-channel / VidKV keys (with STP-protected key tokens
-    when ``vidkv_key_stp``) and KIVI / ternary values reads ``fmt``'s codecs, else why not."""
+    when ``vidkv_key_stp``) and KIVI / ternary values (and RVQ keys and values when ``rvq``)
+    reads ``fmt``'s codecs, else why not."""
     reasons = []
-    if fmt.key_kind == OTHER:
+    if fmt.key_kind == OTHER or (fmt.key_kind == KEY_RVQ and not rvq):
         reasons.append(f"keys {_codec_name(fmt.key_codec)}")
     elif fmt.key_protect and not vidkv_key_stp:
         reasons.append("VidKV keys with STP (protect > 0 on keys)")
-    if fmt.val_kind == OTHER:
+    if fmt.val_kind == OTHER or (fmt.val_kind == VAL_RVQ and not rvq):
         reasons.append(f"values {_codec_name(fmt.value_codec)}")
     if not reasons:
         return None
-    return ("it reads KIVI per-channel / VidKV keys and KIVI / ternary values, not: "
+    reads = "KIVI per-channel / VidKV" + (" / RVQ" if rvq else "")
+    return (f"it reads {reads} keys and KIVI / ternary{' / RVQ' if rvq else ''} values, not: "
             + "; ".join(reasons))
 
 

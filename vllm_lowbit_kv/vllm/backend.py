@@ -32,7 +32,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..config import LowBitKVConfigError
-from ..kv_stats import VISUAL
+from ..kv_stats import ATTENTION_IMPLS, VISUAL
 from ..ops import select_implementation
 from ..paged import (PagedLayout, ReadPlan, Staging, StagingAllocator, WritePlan, forward_layer,
                      protected_visual)
@@ -264,12 +264,9 @@ class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
                                 block_table=cam.block_table_tensor[:R] if compacted else None)
 
 
-_logged_impls: set[str] = set()
-
-
 def _log_implementation(name: str) -> None:
-    if name not in _logged_impls:
-        _logged_impls.add(name)
+    if name not in ATTENTION_IMPLS:  # once per process; /v1/kv_cache/stats reports the set
+        ATTENTION_IMPLS.add(name)
         logger.info("lowbit-kv: packed attention implementation: %s (attention_impl / %s "
                     "choose another)", name, "LOWBIT_KV_ATTENTION_IMPL")
 

@@ -21,6 +21,10 @@
 // are accumulated the same way: sum_t p_t (alpha_c trit_tc) =
 // alpha_c sum_t p_t trit_tc, vectorized over 16 channels.
 //
+// RVQ pages (seed 001: each token's head vector as K codeword indices per channel group,
+// times its std) are decoded one group at a time from the layer's codebooks (float32,
+// passed beside the pages) and then read as dense rows.
+//
 // Vectors are GCC/Clang vector extensions (16 floats): AVX-512 with
 // -march=native on this machine, split into narrower registers elsewhere.
 //
@@ -52,7 +56,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // -- descriptors (vllm_lowbit_kv/ops/cpu.py builds them from the PageFormat) -----------
 enum Geometry { G_T, G_D, G_H, G_N, G_SINK_BYTES, G_STATE_BYTES, G_K_BYTES, G_COUNT };
-enum KeyKind { KEY_KIVI_CHANNEL = 0, KEY_VIDKV = 1 };
+enum KeyKind { KEY_KIVI_CHANNEL = 0, KEY_VIDKV = 1, KEY_RVQ = 2 };
 // KEY_KIVI_CHANNEL: kind, bits, codes, scale, zero
 enum KiviKey { KK_BITS = 1, KK_CODES, KK_SCALE, KK_ZERO, KK_COUNT };
 // KEY_VIDKV: kind, n2, n1, n_protect, sign_levels, prot_scale, prot_zero, tok_mask,
@@ -61,7 +65,7 @@ enum VidKey {
   VK_N2 = 1, VK_N1, VK_NP, VK_SIGN, VK_PROT_SCALE, VK_PROT_ZERO, VK_TOK_MASK, VK_PROT_CODES,
   VK_CHAN_MASK, VK_SCALE2, VK_ZERO2, VK_CODES2, VK_CODES1, VK_LO1, VK_HI1, VK_COUNT
 };
-enum ValueKind { VAL_KIVI_TOKEN = 0, VAL_KIVI_CHANNEL = 1, VAL_TERNARY = 2 };
+enum ValueKind { VAL_KIVI_TOKEN = 0, VAL_KIVI_CHANNEL = 1, VAL_TERNARY = 2, VAL_RVQ = 3 };
 // VAL_KIVI_TOKEN: kind, bits, group_size, codes, scale, zero
 enum KiviTokVal { KT_BITS = 1, KT_GROUP, KT_CODES, KT_SCALE, KT_ZERO, KT_COUNT };
 // VAL_KIVI_CHANNEL: kind, bits, codes, scale, zero
@@ -70,6 +74,9 @@ enum KiviChanVal { KC_BITS = 1, KC_CODES, KC_SCALE, KC_ZERO, KC_COUNT };
 enum TernVal {
   TV_NP = 1, TV_PROT_SCALE, TV_PROT_ZERO, TV_TOK_MASK, TV_PROT_CODES, TV_ALPHA, TV_TRITS, TV_COUNT
 };
+// KEY_RVQ / VAL_RVQ: kind, codebooks K, codebook size C, index bits, group size d^,
+// strided (1: channel j * n + g of group g; 0: g * d^ + j), codes, std
+enum Rvq { RV_K = 1, RV_C, RV_BITS, RV_GROUP, RV_STRIDED, RV_CODES, RV_STD, RV_COUNT };
 
 // -- vectors ------------------------------------------------------------------------------
 constexpr int L = 16;  // lanes
@@ -425,6 +432,8 @@ struct Format {
   int64_t sink_bytes, state_bytes, k_bytes;
   std::vector<int64_t> key, val;
   const float* fft_map_t;  // [n1, n1] A transposed (column j of A is row j), or nullptr
+  const float* key_books;  // RVQ keys: the layer's codebooks [K][C][d^], or nullptr
+  const float* val_books;  // RVQ values: likewise
 };
 
 struct Scratch {
@@ -463,9 +472,49 @@ void affine_channel_scores(const uint8_t* codes, int rows, int bits, const uint8
   LOWBIT_FOR_BLOCKS(M, column_scores, s.words.data(), W, TP, D, bits, s.w.data(), out)
 }
 
+// RVQ group -> rows x [T][D]: per token and channel group the sum of its K codewords,
+// times the token's std (1 where the std is 0), channels put back by the grouping
+// (vllm_lowbit_kv/codecs/rvq.py: decode_groups). z holds d^ floats.
+void rvq_decode(const uint8_t* st, const std::vector<int64_t>& d, const float* books, int T, int D,
+                float* x, float* z) {
+  const int K = int(d[RV_K]), C = int(d[RV_C]), bits = int(d[RV_BITS]), gs = int(d[RV_GROUP]);
+  const int n = D / gs;
+  const bool strided = d[RV_STRIDED] != 0;
+  const uint8_t* codes = st + d[RV_CODES];
+  const uint32_t mask = (1u << bits) - 1;
+  int64_t bit = 0;  // indices: token-major, then group, then codebook; little-end first
+  for (int t = 0; t < T; ++t) {
+    c10::Half h;
+    std::memcpy(&h, st + d[RV_STD] + 2 * t, 2);
+    const float sd = float(h) > 0.f ? float(h) : 1.f;
+    for (int g = 0; g < n; ++g) {
+      std::fill(z, z + gs, 0.f);
+      for (int k = 0; k < K; ++k, bit += bits) {
+        const uint8_t* b = codes + (bit >> 3);  // an index spans at most 3 bytes (<= 16 bits)
+        const uint32_t w = uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16;
+        const float* c = books + (int64_t(k) * C + ((w >> (bit & 7)) & mask)) * gs;
+#pragma omp simd
+        for (int j = 0; j < gs; ++j) z[j] += c[j];
+      }
+      float* xt = x + int64_t(t) * D;
+      if (strided)
+        for (int j = 0; j < gs; ++j) xt[j * n + g] = z[j] * sd;
+      else
+        for (int j = 0; j < gs; ++j) xt[g * gs + j] = z[j] * sd;
+    }
+  }
+}
+
 void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float* sc, Scratch& s) {
   const int T = f.T, D = f.D, TP = f.TP;
   const auto& d = f.key;
+  if (d[0] == KEY_RVQ) {  // dense rows of one group, then q . k
+    float* x = s.x.data();
+    rvq_decode(st, d, f.key_books, T, D, x, s.meta.data());
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < T; ++t) sc[m * TP + t] = dot(q + m * D, x + int64_t(t) * D, D);
+    return;
+  }
   if (d[0] == KEY_KIVI_CHANNEL) {
     affine_channel_scores(st + d[KK_CODES], T, int(d[KK_BITS]), st + d[KK_SCALE],
                           st + d[KK_ZERO], q, M, D, TP, sc, s);
@@ -575,6 +624,13 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
   float* scale = s.meta.data();
   float* zero = scale + D;
   int* pos = s.vpos.data();
+  if (d[0] == VAL_RVQ) {  // dense rows of one group
+    rvq_decode(sv, d, f.val_books, T, D, x, zero);
+    stp_positions(nullptr, T, 0, pos);
+    std::fill(scale, scale + D, 1.f);
+    accumulate(x, pos, T, p, M, D, TP, scale, nullptr, acc, s);
+    return;
+  }
   if (d[0] == VAL_KIVI_TOKEN) {  // scale/zero per token group
     const int bits = int(d[KT_BITS]), gs = int(d[KT_GROUP]), ng = D / gs;
     decode_codes(sv + d[KT_CODES], code_bytes(int64_t(T) * D, bits), int64_t(T) * D, bits, x);
@@ -755,20 +811,45 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
                       const at::Tensor& group_table, const at::Tensor& num_groups,
                       const at::Tensor& skip_tokens, double scale, at::IntArrayRef geometry,
                       at::IntArrayRef key_desc, at::IntArrayRef value_desc,
-                      const at::Tensor& fft_map, const at::Tensor& out, const at::Tensor& lse) {
+                      const at::Tensor& fft_map, const at::Tensor& codebooks, const at::Tensor& out,
+                      const at::Tensor& lse) {
   TORCH_CHECK(geometry.size() == G_COUNT, "geometry: ", G_COUNT, " entries expected");
   Format f{int(geometry[G_T]), int(geometry[G_D]), round_up(int(geometry[G_T])),
            int(geometry[G_H]), int(geometry[G_N]), geometry[G_SINK_BYTES],
-           geometry[G_STATE_BYTES], geometry[G_K_BYTES], key_desc.vec(), value_desc.vec(), nullptr};
+           geometry[G_STATE_BYTES], geometry[G_K_BYTES], key_desc.vec(), value_desc.vec(), nullptr,
+           nullptr, nullptr};
   TORCH_CHECK(!f.key.empty() && !f.val.empty(), "empty codec descriptor");
   TORCH_CHECK((f.key[0] == KEY_KIVI_CHANNEL && f.key.size() == KK_COUNT) ||
-                  (f.key[0] == KEY_VIDKV && f.key.size() == VK_COUNT),
+                  (f.key[0] == KEY_VIDKV && f.key.size() == VK_COUNT) ||
+                  (f.key[0] == KEY_RVQ && f.key.size() == RV_COUNT),
               "key descriptor: unknown kind or length");
   TORCH_CHECK((f.val[0] == VAL_KIVI_TOKEN && f.val.size() == KT_COUNT) ||
                   (f.val[0] == VAL_KIVI_CHANNEL && f.val.size() == KC_COUNT) ||
-                  (f.val[0] == VAL_TERNARY && f.val.size() == TV_COUNT),
+                  (f.val[0] == VAL_TERNARY && f.val.size() == TV_COUNT) ||
+                  (f.val[0] == VAL_RVQ && f.val.size() == RV_COUNT),
               "value descriptor: unknown kind or length");
   const int64_t T = f.T, D = f.D, H = f.H;
+  // RVQ: codebooks holds the key codebooks (if the keys are RVQ), then the value codebooks
+  int64_t book_floats = 0;
+  for (const std::vector<int64_t>* d : {&f.key, &f.val})
+    if ((*d)[0] == (d == &f.key ? KEY_RVQ : VAL_RVQ)) {
+      TORCH_CHECK((*d)[RV_BITS] >= 1 && (*d)[RV_BITS] <= 16 && (*d)[RV_C] >= 1 &&
+                      (*d)[RV_C] <= (int64_t(1) << (*d)[RV_BITS]) && (*d)[RV_GROUP] >= 1 &&
+                      (*d)[RV_GROUP] <= D && D % (*d)[RV_GROUP] == 0,
+                  "RVQ descriptor: bits in [1, 16], C <= 2^bits, d^ dividing head_dim");
+      book_floats += (*d)[RV_K] * (*d)[RV_C] * (*d)[RV_GROUP];
+    }
+  if (book_floats) {
+    TORCH_CHECK(codebooks.scalar_type() == at::kFloat && codebooks.is_contiguous() &&
+                    codebooks.numel() == book_floats,
+                "codebooks: float32 contiguous, ", book_floats, " values (keys' then values')");
+    const float* books = codebooks.data_ptr<float>();
+    if (f.key[0] == KEY_RVQ) {
+      f.key_books = books;
+      books += f.key[RV_K] * f.key[RV_C] * f.key[RV_GROUP];
+    }
+    if (f.val[0] == VAL_RVQ) f.val_books = books;
+  }
   TORCH_CHECK(D % L == 0, "head_dim must be a multiple of ", L);
   TORCH_CHECK(query.dim() == 3 && query.size(2) == D && query.stride(2) == 1,
               "query: [n, Hq, ", D, "] with unit stride in the last dim");
@@ -925,7 +1006,7 @@ TORCH_LIBRARY_FRAGMENT(lowbit_kv, m) {
   m.def(
       "packed_attention(Tensor query, Tensor q_start, Tensor pages, Tensor group_table, "
       "Tensor num_groups, Tensor skip_tokens, float scale, int[] geometry, int[] key_desc, "
-      "int[] value_desc, Tensor fft_map, Tensor(a!) out, Tensor(b!) lse) -> ()");
+      "int[] value_desc, Tensor fft_map, Tensor codebooks, Tensor(a!) out, Tensor(b!) lse) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lowbit_kv, CPU, m) { m.impl("packed_attention", &packed_attention); }
