@@ -524,3 +524,25 @@ def test_a_request_reads_nothing_of_earlier_ones(scheme, params, sinks, window, 
         layout, pages = fresh[0], fresh[1]
         sk, sv = layout.read_sinks(pages, int(table_b[0]), sinks)
         assert torch.equal(sk, b[0][:sinks].float()) and torch.equal(sv, b[1][:sinks].float())
+
+
+@pytest.mark.parametrize("first", ["visual", "text"])
+def test_protected_visual_counts_the_rows_stp_gives_visual_tokens(first):
+    """The stats' count (paged.protected_visual) equals what the codec's token mask says
+    after paged.rank_protected, for groups all visual, all text and mixed, with sink rows
+    (ranked last) in some."""
+    from vllm_lowbit_kv.paged import SINK_RELEVANCE, protected_visual, rank_protected
+
+    torch.manual_seed(7)
+    T, E = 16, 24
+    vc = get_scheme("vidkv_stp").with_params(protect=0.25).codecs(D, T)[1]
+    visual = torch.rand(E, T) < torch.linspace(0, 1, E).unsqueeze(1)  # from all text to all visual
+    sinks = torch.randint(0, 5, (E,)) * (torch.arange(E) % 3 == 0)
+    candidates = torch.arange(T).unsqueeze(0) >= sinks.unsqueeze(1)
+    relevance = rank_protected(torch.rand(E, T, H), visual, first)
+    relevance[~candidates] = SINK_RELEVANCE
+    prot = vc.protected_tokens(vc.encode(torch.randn(E, T, H, D), relevance))  # [E, H, T]
+    got = (prot & visual.unsqueeze(1)).sum(-1)
+    want = protected_visual(visual, vc.n_protect, first, candidates)
+    assert torch.equal(got, want.unsqueeze(1).expand(-1, H))
+    assert 0 < int(want.sum()) < int(visual.sum())
