@@ -508,11 +508,22 @@ void rvq_decode(const uint8_t* st, const std::vector<int64_t>& d, const float* b
 void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float* sc, Scratch& s) {
   const int T = f.T, D = f.D, TP = f.TP;
   const auto& d = f.key;
-  if (d[0] == KEY_RVQ) {  // dense rows of one group, then q . k
+  if (d[0] == KEY_RVQ) {  // dense rows of one group, transposed: scores vectorized over tokens
     float* x = s.x.data();
     rvq_decode(st, d, f.key_books, T, D, x, s.meta.data());
-    for (int m = 0; m < M; ++m)
-      for (int t = 0; t < T; ++t) sc[m * TP + t] = dot(q + m * D, x + int64_t(t) * D, D);
+    std::vector<float>& xt = s.extra;  // [D][TP], tail tokens 0
+    xt.assign(size_t(D) * TP, 0.f);
+    for (int t = 0; t < T; ++t)
+      for (int c = 0; c < D; ++c) xt[size_t(c) * TP + t] = x[int64_t(t) * D + c];
+    for (int m = 0; m < M; ++m) {
+      float* row = sc + m * TP;
+      const float* qm = q + m * D;
+      for (int t0 = 0; t0 < TP; t0 += L) {
+        vf acc = vf{};
+        for (int c = 0; c < D; ++c) acc += splat(qm[c]) * loadf(xt.data() + size_t(c) * TP + t0);
+        storef(row + t0, acc);
+      }
+    }
     return;
   }
   if (d[0] == KEY_KIVI_CHANNEL) {
