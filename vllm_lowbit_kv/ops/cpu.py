@@ -18,11 +18,11 @@ STP); RVQ keys and values (:mod:`~vllm_lowbit_kv.codecs.rvq`, any K, C up to
 2^16, either grouping; the layer's codebooks travel with the call); head_dim a
 multiple of 16; any number of query heads per KV head. That covers ``vidkv``,
 ``vidkv_paper``, ``vidkv_stp``, ``vidkv_visual``, ``kivi2``, ``kivi4``,
-``vidkv_k2v2``, ``vidkv_k15v2`` and the ``rvq*`` schemes. The kernel's arguments are derived from the
-:class:`~vllm_lowbit_kv.ops.page_format.PageFormat` (:class:`Descriptors`). One
-known difference from the reference codecs: they clamp decoded VidKV/ternary
-elements to +-65504, the kernel (which never rebuilds keys) does not; it only
-matters for K/V magnitudes near the fp16 limit. No store kernel: :data:`store`
+``vidkv_k2v2``, ``vidkv_k15v2`` and the ``rvq*`` schemes. The kernel's arguments are
+derived from the :class:`~vllm_lowbit_kv.ops.page_format.PageFormat`
+(:class:`Descriptors`). One known difference from the reference codecs: they clamp
+decoded VidKV/ternary elements to +-65504, the kernel (which never rebuilds keys)
+does not; it only matters for K/V magnitudes near the fp16 limit. No store kernel: :data:`store`
 encodes with the codecs.
 """
 
@@ -43,9 +43,9 @@ import torch
 
 from ..paths import extension_build_root
 from . import reference
-from .page_format import (KEY_KIVI_CHANNEL, KEY_RVQ, KEY_VIDKV, VAL_KIVI_CHANNEL, VAL_KIVI_TOKEN,
-                          VAL_RVQ, VAL_TERNARY, PageFormat, PageGeometry, attention_outputs, fft_matrix,
-                          kernel_codec_reason, page_format)
+from .page_format import (KEY_KIVI_CHANNEL, KEY_RVQ, KEY_VIDKV, VAL_KIVI_CHANNEL,
+                          VAL_KIVI_TOKEN, VAL_RVQ, VAL_TERNARY, PageFormat, PageGeometry,
+                          attention_outputs, fft_matrix, kernel_codec_reason, page_format)
 
 logger = logging.getLogger("vllm.lowbit_kv.ops")
 
