@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..ops import merge_attention
 from .layout import PagedLayout
 from .plan import ReadPlan
 from .write import Staging
@@ -84,11 +85,36 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
             lse.reshape(B, Hq, Q).transpose(1, 2))
 
 
+def causal_attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal float32 attention of Q fresh rows over themselves, and its log-sum-exp:
+    q [Q, Hq, D]; k, v [Q, H, D] -> out [Q, Hq, D], lse [Q, Hq]. With no mask the fused
+    CPU kernel skips the blocks above the diagonal (half of a prefill chunk's work)."""
+    G = q.shape[1] // k.shape[1]
+    q = q.float().transpose(0, 1).unsqueeze(0)
+    k = k.float().repeat_interleave(G, dim=1).transpose(0, 1).unsqueeze(0)
+    v = v.float().repeat_interleave(G, dim=1).transpose(0, 1).unsqueeze(0)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, True, scale=scale)
+    else:
+        Q = q.shape[2]
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        scores = scores.masked_fill(torch.ones(Q, Q, dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
 def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, pages: torch.Tensor, staging: Staging, scale: float
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every fresh row over its request's exact keys (:class:`ExactBatch`): out
-    [n, Hq, D] float32 and lse [n, Hq], to merge with the packed part."""
+    [n, Hq, D] float32 and lse [n, Hq], to merge with the packed part. A prefill chunk
+    (one request, several rows) sees its sinks and staged run whole and its fresh tokens
+    causally: the two parts are attended apart (the fresh one without a mask) and
+    merged."""
     n, Hq, D = query.shape[0], query.shape[1], query.shape[2]
     out = torch.empty(n, Hq, D, dtype=torch.float32, device=query.device)
     lse = torch.empty(n, Hq, dtype=torch.float32, device=query.device)
@@ -101,10 +127,19 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
         if b.tail:
             ks.append(read_staged(staging.k, b.tail_slots, b.tail))
             vs.append(read_staged(staging.v, b.tail_slots, b.tail))
-        ks.append(key[b.rows].float())
-        vs.append(value[b.rows].float())
-        o, l = attend_with_lse(query[b.rows], torch.cat(ks, 1), torch.cat(vs, 1),
-                               b.bias.to(query.device), scale)
+        if b.bias is None:  # a prefill chunk
+            rows = b.rows[0]
+            o, l = causal_attend_with_lse(query[rows], key[rows], value[rows], scale)
+            if ks:
+                Q, E = rows.numel(), b.sinks + b.tail
+                po, pl = attend_with_lse(query[b.rows], torch.cat(ks, 1), torch.cat(vs, 1),
+                                         query.new_zeros(1, 1, Q, E, dtype=torch.float32), scale)
+                o, l = merge_attention(po[0], pl[0], o, l)
+        else:
+            ks.append(key[b.rows].float())
+            vs.append(value[b.rows].float())
+            o, l = attend_with_lse(query[b.rows], torch.cat(ks, 1), torch.cat(vs, 1),
+                                   b.bias.to(query.device), scale)
         out[b.rows] = o
         lse[b.rows] = l
     return out, lse

@@ -76,7 +76,9 @@ class ExactBatch:
     sinks: int  # sink positions read per request (the batch's largest skip_tokens)
     tail_slots: torch.Tensor  # int64 [B, S]: staging slots of the staged run, token order
     tail: int  # staged tokens read per request (the batch's largest)
-    bias: torch.Tensor  # float32 [B, 1, Q, sinks + tail + Q]: 0 = attend, -inf = not
+    #: decode batches (Q = 1): float32 [B, 1, 1, sinks + tail + 1], 0 = attend, -inf = not;
+    #: None for a prefill chunk (one request: its sinks and tail whole, its rows causal)
+    bias: torch.Tensor | None
 
 
 EMPTY_INDEX = torch.empty(0, dtype=torch.long)
@@ -142,11 +144,12 @@ def plan_exact(q_start: list[int], ctx_len: list[int], skip: list[int], staged: 
         slots = torch.zeros(len(reqs), max(max(len(staged[r]) for r in reqs), 1), dtype=torch.long)
         for i, r in enumerate(reqs):
             slots[i, :len(staged[r])] = torch.tensor(staged[r], dtype=torch.long)
-        attend = torch.cat([
-            (torch.arange(S) < sinks.unsqueeze(1)).unsqueeze(1).expand(-1, Q, -1),
-            (torch.arange(P) < tails.unsqueeze(1)).unsqueeze(1).expand(-1, Q, -1),
-            torch.ones(Q, Q, dtype=torch.bool).tril().expand(len(reqs), -1, -1)], dim=-1)
-        bias = torch.zeros(attend.shape).masked_fill_(~attend, float("-inf")).unsqueeze(1)
+        bias = None
+        if Q == 1:  # requests of other lengths share the batch: padding masked out
+            attend = torch.cat([torch.arange(S) < sinks.unsqueeze(1),
+                                torch.arange(P) < tails.unsqueeze(1),
+                                torch.ones(len(reqs), 1, dtype=torch.bool)], dim=-1)
+            bias = torch.zeros(attend.shape).masked_fill_(~attend, float("-inf"))[:, None, None]
         out.append(ExactBatch(
             rows, torch.tensor([max(first_block[r], 0) for r in reqs]), S, slots, P, bias))
     return out
