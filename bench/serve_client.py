@@ -1,0 +1,124 @@
+"""vLLM's own benchmark client against each KV dtype, bf16 first, in the same run.
+
+    python -m bench.serve_client                     # bfloat16 and vidkv
+    python -m bench.serve_client --kv-cache-dtype bfloat16,vidkv,kivi2 --prompts 8 \\
+        --input-tokens 1024 --output-tokens 64 \\
+        --json bench/results/serve_client.json --png bench/results/serve_client.png
+
+Speed as a vLLM user measures it: one server per dtype (``python -m serving``, started
+through :func:`bench.server.measurement_server`: ``--enforce-eager``, prefix caching
+off, ``--max-num-seqs`` = ``--prompts``), then ``vllm bench serve --dataset-name random``
+(this package's ``vllm`` console script, vLLM's own client) with a fixed seed, so
+every server gets the same prompts, all sent at once. Per dtype: vLLM's result
+(output tokens/s, TTFT, TPOT, duration) and each as a ratio to bfloat16's. The JSON
+records the command, the machine and the client command; a PNG plots the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import RESULTS, machine, portable
+from bench.plotting import pyplot, save
+from bench.server import measurement_server
+
+REFERENCE = "bfloat16"
+#: vLLM's result fields kept per dtype, and whether higher is better
+METRICS = {"output_throughput": True, "mean_ttft_ms": False, "median_ttft_ms": False,
+           "mean_tpot_ms": False, "median_tpot_ms": False, "duration": False}
+
+
+def client_command(port: int, model: str, served_name: str, args, result_dir: str) -> list[str]:
+    """``vllm bench serve`` with random prompts of ``--input-tokens``, all at once."""
+    return [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "vllm",
+            "--host", "127.0.0.1", "--port", str(port), "--model", model,
+            "--served-model-name", served_name, "--dataset-name", "random",
+            "--random-input-len", str(args.input_tokens), "--random-output-len",
+            str(args.output_tokens), "--num-prompts", str(args.prompts), "--seed", str(args.seed),
+            "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", result_dir]
+
+
+def measure(model: str, dtype: str, args) -> dict:
+    server = measurement_server(model, dtype, chunk=args.chunk, max_model_len=args.max_model_len,
+                                max_num_seqs=args.prompts, kv_space_gib=args.kv_space_gib)
+    with server.start() as s, tempfile.TemporaryDirectory() as d:
+        run = subprocess.run(client_command(s.port, model, s.model_name, args, d),
+                             capture_output=True, text=True, timeout=3600)
+        if run.returncode:
+            raise RuntimeError(f"vllm bench serve failed for {dtype}:\n{run.stdout[-3000:]}"
+                               f"\n{run.stderr[-3000:]}")
+        result = json.loads(next(Path(d).glob("*.json")).read_text())
+        impls = s.attention_impls()
+    return dict(dtype=dtype, attention_impls=impls, completed=result["completed"],
+                **{m: result[m] for m in METRICS})
+
+
+def add_ratios(rows: list[dict]) -> None:
+    ref = rows[0]
+    for row in rows:
+        row["x_bf16"] = {m: round(row[m] / ref[m], 4) for m in METRICS if ref[m]}
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    plt = pyplot()
+    shown = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
+    fig, axes = plt.subplots(1, len(shown), figsize=(4 * len(shown), 3.4))
+    for ax, m in zip(axes, shown):
+        ax.bar([r["dtype"] for r in rows], [r["x_bf16"][m] for r in rows], color="tab:blue")
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_title(f"{m} / bf16's ({'higher' if METRICS[m] else 'lower'} is better)", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m bench.serve_client", description=__doc__.split("\n\n")[0])
+    p.add_argument("--kv-cache-dtype", default="bfloat16,vidkv", help="bfloat16 is always first")
+    p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
+    p.add_argument("--prompts", type=int, default=8, help="requests, all sent at once")
+    p.add_argument("--input-tokens", type=int, default=1024)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=2048, help="--max-num-batched-tokens")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-space-gib", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=str(RESULTS / "serve_client.json"))
+    p.add_argument("--png", default=str(RESULTS / "serve_client.png"))
+    args = p.parse_args(argv)
+    if args.model is None:
+        from vllm_lowbit_kv.model import prepare_model
+        args.model = str(prepare_model())
+    dtypes = list(dict.fromkeys([REFERENCE] + args.kv_cache_dtype.split(",")))
+    t0 = time.time()
+    rows = []
+    for dtype in dtypes:
+        rows.append(measure(args.model, dtype, args))
+        print(f"{dtype}: {rows[-1]['output_throughput']:.2f} output tok/s, median TTFT "
+              f"{rows[-1]['median_ttft_ms']:.0f} ms", file=sys.stderr, flush=True)
+    add_ratios(rows)
+    result = dict(
+        command=portable.command(["python", "-m", "bench.serve_client", *argv], [args.model]),
+        client_command=portable.command(
+            client_command(0, args.model, "SmolLM2-135M-Instruct", args, "RESULT_DIR"),
+            [args.model]).replace("--port 0", "--port PORT"),
+        model=portable.model_name(args.model), machine=machine.describe(), rows=rows,
+        elapsed_s=round(time.time() - t0, 1))
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    plot(rows, Path(args.png), f"vllm bench serve: {args.prompts} random prompts of "
+                               f"{args.input_tokens} tokens, {args.output_tokens} output tokens, "
+                               f"all at once ({result['machine']['cpu']})")
+    for r in rows:
+        print(f"{r['dtype']:>10}: output tok/s x{r['x_bf16']['output_throughput']:.2f}, median TTFT "
+              f"x{r['x_bf16']['median_ttft_ms']:.2f}, median TPOT x{r['x_bf16']['median_tpot_ms']:.2f}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
