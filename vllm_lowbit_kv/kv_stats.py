@@ -99,11 +99,10 @@ def scheme_config(vllm_config: Any) -> dict[str, Any]:
         name=str(cc.cache_dtype), summary=scheme.summary, key_codec=describe_codec(kc),
         value_codec=describe_codec(vc), block_tokens=scheme.block_tokens,
         sink_tokens=scheme.sink_tokens, residual_tokens=scheme.residual_tokens,
-        rotate=scheme.rotate, protect_first=scheme.protect_first, page_tokens=int(cc.block_size),
-        skip_layers=skip,
-        obs_window=cfg.obs_window, stp_relevance=bool(scheme.uses_relevance),
-        eviction=eviction, attention_impl=cfg.attention_impl or "auto",
-        set_fields=cfg.explicit())
+        rotate=scheme.rotate, protect_first=scheme.protect_first,
+        page_tokens=int(cc.block_size), skip_layers=skip, obs_window=cfg.obs_window,
+        stp_relevance=bool(scheme.uses_relevance), eviction=eviction,
+        attention_impl=cfg.attention_impl or "auto", set_fields=cfg.explicit())
 
 
 def _eviction_configured(vllm_config: Any) -> bool:

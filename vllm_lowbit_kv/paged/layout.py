@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..codecs.base import BlockCodec, require
-from ..ops.page_format import PageFormat
 from ..codecs.vidkv import PROTECT_FIRST
+from ..ops.page_format import PageFormat
 from ..rotation import HadamardRotation
 
 
