@@ -174,7 +174,7 @@ def test_forced_attention_impl_is_checked_at_startup(model_dir, monkeypatch):
     _vllm_config(model_dir, "vidkv", {"attention_impl": "cpp"})
     _vllm_config(model_dir, "quantile1", {"attention_impl": "auto"})
     with pytest.raises(ValueError, match=r"attention_impl 'cpp' cannot run here: it reads KIVI "
-                                         r"per-channel / VidKV keys .* not: keys QuantileCodec"):
+                                         r"per-channel / VidKV / RVQ keys .* not: keys QuantileCodec"):
         _vllm_config(model_dir, "quantile1", {"attention_impl": "cpp"})
     with pytest.raises(ValueError, match=r"attention_impl 'cuda' cannot run here: the CUDA kernel "
                                          r"runs on CUDA devices, not cpu"):
