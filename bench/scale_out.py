@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from bench import machine
+from serving.__main__ import PP_COMPILATION
 
 GB = 1e9
 LAYERS, KV_HEADS, HEAD_DIM, PARAMS = 80, 8, 128, 70.6e9
@@ -141,9 +142,9 @@ GREEDY_PROMPTS = ("The capital of France is", "Once upon a time, in a small vill
                   "The three primary colors are", "def fibonacci(n):")
 GREEDY_TOKENS = 32
 #: ``--matched``: one process set up as each pipeline rank is, one OpenMP thread and the
-#: model traced as the launcher traces it with pipeline parallelism, so that the
-#: comparison with pp2 leaves only the split into stages
-MATCHED_ONE_ARGS = ["--compilation-config", json.dumps({"mode": 3, "backend": "eager"})]
+#: model traced as the launcher traces it with pipeline parallelism (its PP_COMPILATION),
+#: so that the comparison with pp2 leaves only the split into stages
+MATCHED_ONE_ARGS = ["--compilation-config", json.dumps(PP_COMPILATION)]
 MATCHED_ONE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 
 

@@ -39,8 +39,9 @@ FORMATS = [
     ("vidkv", {"one_bit": "minmax", "k": 0.75}), ("kivi2", {"group_size": 16}),
     ("vidkv_stp", {"protect": 0.3}), ("vidkv_visual", {}),
 ]
-#: RVQ pages (seeded random codebooks): the paper's 11-bit indices, 8-bit ones, both groupings
-RVQ_SCHEMES = ["rvq", "rvq8x256", "rvq2x256"]  # 11-bit and 8-bit indices; keys strided, values not
+#: RVQ pages (seeded random codebooks): the paper's 11-bit indices and 8-bit ones; keys in
+#: strided channel groups, values in contiguous ones
+RVQ_SCHEMES = ["rvq", "rvq8x256", "rvq2x256"]
 
 
 @pytest.fixture(scope="module", autouse=True)
