@@ -158,13 +158,19 @@ class Engine(ABC):
     def effective_bits(self) -> float:
         return 16.0
 
+    @property
+    def model_kv_heads(self) -> int:
+        """KV heads of the packed layers (layers x KV heads): retrieval heads are a share of them."""
+        return (self.num_layers - len(self.skip_layers)) * self.kv_heads
+
     def effective_bits_at(self, context_tokens: int) -> float:
         """Honest bits per element of one ``context_tokens`` sequence over all layers:
         :meth:`KVScheme.effective_bits_at` (pages plus model-dtype staging) for packed
         layers, 16 for ``skip_layers``; :meth:`effective_bits` for the engine's own dtypes."""
         if self.scheme is None:
             return self.effective_bits()
-        packed = self.scheme.effective_bits_at(context_tokens, self.head_dim)
+        packed = self.scheme.effective_bits_at(context_tokens, self.head_dim,
+                                               model_kv_heads=self.model_kv_heads)
         s = len(self.skip_layers)
         return ((self.num_layers - s) * packed + s * 16.0) / self.num_layers
 
@@ -227,6 +233,7 @@ class HFEngine(Engine):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_positions = cfg.max_position_embeddings
         self.num_layers = cfg.num_hidden_layers
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.skip_layers = tuple(skip_layers)
         self.scheme = None if kv_cache_dtype == REFERENCE else get_scheme(kv_cache_dtype)
         overrides = {k: v for k, v in (("block_tokens", block_tokens), ("sink_tokens", sink_tokens))
@@ -252,7 +259,7 @@ class HFEngine(Engine):
     def effective_bits(self) -> float:
         if self.scheme is None:
             return 16.0
-        return self.scheme.effective_bits(self.head_dim)
+        return self.scheme.effective_bits(self.head_dim, model_kv_heads=self.model_kv_heads)
 
     def _prefill(self, cache, ids: torch.Tensor, chunk: int, keep_logits: bool):
         """Chunked prefill; the logits of every position (keep_logits) or of the last one."""

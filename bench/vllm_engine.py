@@ -93,6 +93,7 @@ class VllmEngine(Engine):
         self.geometry = geo
         self.head_dim = geo["head_dim"]
         self.num_layers = geo["layers"]
+        self.kv_heads = geo["kv_heads"]
         self.skip_layers = tuple(skip_layers)
         self.max_positions = int(max_model_len or min(geo["max_positions"],
                                                       int(os.environ.get("VLLM_ENGINE_MAX_MODEL_LEN", 8192))))
@@ -118,7 +119,7 @@ class VllmEngine(Engine):
             self.overrides.update(params or {})
             codec_overrides = {k: v for k, v in self.overrides.items() if k != "skip_layers"}
             self.scheme = scheme.with_params(**codec_overrides) if codec_overrides else scheme
-            self._bits = self.scheme.effective_bits(self.head_dim)
+            self._bits = self.scheme.effective_bits(self.head_dim, model_kv_heads=self.model_kv_heads)
             if eviction is not None:
                 self.overrides.update(eviction=eviction.name, retention=eviction.retention,
                                       eviction_gamma=eviction.gamma, eviction_sinks=eviction.sink_tokens,

@@ -96,6 +96,9 @@ class SchemeInfo(BaseModel):
     residual_tokens: int = Field(description="most recent tokens read in bf16 from staging")
     rotate: str
     protect_first: str = Field(description="which tokens STP protects first: visual or text")
+    retrieval_heads: int = Field(description="KV heads coded by retrieval_scheme (0: none)")
+    retrieval_scheme: str = Field(description="the scheme whose codecs code the retrieval heads")
+    retrieval_keys_only: bool = Field(description="retrieval heads take only its key codec")
     page_tokens: int = Field(description="tokens per vLLM page (the block size)")
     skip_layers: list[int] = Field(description="layers kept in the model dtype")
     obs_window: int = Field(description="queries scoring STP relevance")

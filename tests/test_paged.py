@@ -546,3 +546,46 @@ def test_protected_visual_counts_the_rows_stp_gives_visual_tokens(first):
     want = protected_visual(visual, vc.n_protect, first, candidates)
     assert torch.equal(got, want.unsqueeze(1).expand(-1, H))
     assert 0 < int(want.sum()) < int(visual.sum())
+
+
+@pytest.mark.parametrize("keys_only,sinks,window", [(False, 3, 1), (True, 0, 0), (False, 0, 2)])
+def test_head_split_layer_matches_per_head_reference(keys_only, sinks, window):
+    """Retrieval heads: a layer whose KV heads 0 and 2 are coded by vidkv and head 1 by
+    kivi4 (keys only: kivi4 keys, vidkv values) reads, per query head, what a whole layer
+    of its part's codecs reads; the split page holds both parts' bytes."""
+    from vllm_lowbit_kv.paged import HeadSplitLayout, forward_split_layer
+    torch.manual_seed(1)
+    T, bs = 16, 32
+    s = get_scheme("vidkv").with_params(retrieval_heads=1, retrieval_keys_only=keys_only,
+                                        sink_tokens=sinks)
+    pairs = [s.codecs(D, T), s.retrieval_codecs(D, T)]
+    assert type(pairs[1][1]) is type(pairs[0 if keys_only else 1][1])
+    heads = [(0, 2), (1,)]
+    split = HeadSplitLayout([PagedLayout(kc, vc, len(h), bs, sinks) for (kc, vc), h
+                             in zip(pairs, heads)], heads)
+    whole = [PagedLayout(kc, vc, H, bs, sinks) for kc, vc in pairs]
+    assert split.page_bytes == sum(p.page_bytes for p in split.parts)
+    assert split.page_bytes == (2 * whole[0].page_bytes + whole[1].page_bytes) // 3
+    pages = torch.full(split.page_shape(40), 0xA5, dtype=torch.uint8)
+    staging = Staging.allocate(3 * (window + 1), T, H, D, torch.bfloat16)
+    alloc = StagingAllocator(3 * (window + 1), T, sinks, window)
+    lens = [70, 33]
+    tables = [torch.arange(0, 8), torch.arange(20, 28)]
+    seqs = [(rnd(L + 4, H, D), rnd(L + 4, H, D), rnd(L + 4, HQ, D)) for L in lens]
+    g = HQ // H
+
+    def check(rows, qs, seq_lens, out):
+        for i, r in enumerate(rows):
+            L, n = seq_lens[i], qs[i + 1] - qs[i]
+            k, v, q = (x[:L] for x in seqs[r])
+            for lay, hs in zip(whole, heads):
+                kk, vv = fake_quant(lay, k, v, sinks, upto=L - n, window=window)
+                ref = attend(q[L - n:], kk, vv, L - n, D ** -0.5)
+                qh = [h * g + j for h in hs for j in range(g)]
+                torch.testing.assert_close(out[qs[i]:qs[i + 1], qh], ref[:, qh], atol=1e-4, rtol=0)
+
+    def split_forward(wp, rp, layout, query, key, value, pages, staging, scale, out, *_):
+        forward_split_layer(wp, rp, split, query, key, value, pages, staging, scale, out)
+
+    run_schedule(split, pages, staging, alloc, seqs, tables, [[30, 33], [40, 0], [1, 1], [1, 1]],
+                 on_step=check, forward=split_forward)

@@ -40,6 +40,14 @@ Cache layout (any scheme):
   tokens at the protected rows' 2 bits, visual tokens at the low-bit code, the rows
   text leaves over to the most relevant visual tokens. Needs a scheme that protects
   tokens (``protect`` > 0).
+* ``retrieval_heads``: how many KV heads of the model (layers x KV heads; the
+  highest retrieval scores, measured once per model on held-out needle prompts and
+  cached, :mod:`vllm_lowbit_kv.retrieval_heads`) are coded by ``retrieval_scheme``'s
+  codecs (default ``kivi4``) instead of the scheme's: the few heads that copy facts
+  from far back (vidkv: 6 of SmolLM2's 90). ``retrieval_keys_only``: those heads take
+  only the key codec of ``retrieval_scheme``, their values keep the scheme's. Their
+  bytes are in the pages of their layers and in every bits figure; 0 turns it off.
+  Not with STP or RVQ codecs, nor with eviction.
 * ``skip_layers``: layer indices kept entirely in the model dtype (bf16 pages of
   their own size, vLLM's own attention).
 * ``obs_window``: queries in the STP observation window (relevance schemes such
@@ -136,6 +144,10 @@ class LowBitKVConfig(BaseModel):
     rotate: Literal[ROTATIONS] | None = None  # type: ignore[valid-type]
     rotate_seed: int | None = None
     protect_first: Literal[PROTECT_FIRST] | None = None  # type: ignore[valid-type]
+    retrieval_heads: int | None = Field(None, ge=0, le=1 << 16,
+                                        description="KV heads coded by retrieval_scheme")
+    retrieval_scheme: str | None = None
+    retrieval_keys_only: bool | None = None
     skip_layers: list[int] = Field(default_factory=list,
                                    description="layer indices kept in the model dtype")
     obs_window: int = Field(DEFAULT_OBS_WINDOW, ge=1, le=4096,
@@ -318,20 +330,26 @@ class LowBitKVConfig(BaseModel):
         from .paged import PagedLayout
         import torch
 
-        kc, vc = scheme.codecs(head_dim)
         dtype = {2: torch.bfloat16, 4: torch.float32}.get(model_dtype_bytes, torch.bfloat16)
-        layout = PagedLayout(kc, vc, num_kv_heads, block_size, min(scheme.sink_tokens, kc.block_tokens),
-                             dtype)
-        page = layout.bits_per_element
         n_skip = len(self.skip_layers)
+        heads = (num_layers - n_skip) * num_kv_heads  # KV heads of the packed layers
+        share = scheme.retrieval_share(heads)
+        sinks = min(scheme.sink_tokens, scheme.block_tokens)
+        layout = PagedLayout(*scheme.codecs(head_dim), num_kv_heads, block_size, sinks, dtype)
+        page = layout.bits_per_element
+        if share:  # the retrieval heads' pages, weighted by their share of the heads
+            retrieval = PagedLayout(*scheme.retrieval_codecs(head_dim), num_kv_heads, block_size,
+                                    sinks, dtype)
+            page = (1 - share) * page + share * retrieval.bits_per_element
 
         def over_layers(packed: float) -> float:
             return (packed * (num_layers - n_skip) + 8 * model_dtype_bytes * n_skip) / num_layers
         # one sequence of L tokens: its pages plus its staging (residual window, partial group)
-        at = {L: over_layers(scheme.effective_bits_at(L, head_dim, block_size, model_dtype_bytes))
+        at = {L: over_layers(scheme.effective_bits_at(L, head_dim, block_size, model_dtype_bytes,
+                                                      heads))
               for L in BITS_AT_CONTEXTS}
-        return dict(groups=scheme.effective_bits(head_dim), pages=page, overall=over_layers(page),
-                    at_context=at, layout=layout)
+        return dict(groups=scheme.effective_bits(head_dim, model_kv_heads=heads), pages=page,
+                    overall=over_layers(page), at_context=at, layout=layout)
 
     def summary(self, name: str, scheme: KVScheme, *, head_dim: int, num_kv_heads: int,
                 num_layers: int, block_size: int, model_dtype_bytes: int = 2) -> str:
@@ -352,6 +370,9 @@ class LowBitKVConfig(BaseModel):
             f"block_tokens={scheme.block_tokens} sink_tokens={scheme.sink_tokens} "
             f"residual_tokens={scheme.residual_tokens} rotate={scheme.rotate} "
             f"{f'protect_first={scheme.protect_first} ' if scheme.uses_relevance else ''}"
+            + (f"retrieval_heads={scheme.retrieval_heads} ({scheme.retrieval_scheme} "
+               f"{'keys' if scheme.retrieval_keys_only else 'keys and values'}) "
+               if scheme.retrieval_heads else "") +
             f"skip_layers={self.skip_layers} obs_window={self.obs_window}"
             f"{' (STP relevance)' if scheme.uses_relevance else ''}; set: {self.explicit() or '{}'}. "
             f"Effective bits/element: groups {packed:.3f} (K {kc.effective_bits:.3f}, "
@@ -359,7 +380,8 @@ class LowBitKVConfig(BaseModel):
             f"{overall:.3f} over all {num_layers} layers ({n_skip} in the model dtype), "
             f"with staging at " + "/".join(f"{L // 1024}K" for L in bits["at_context"]) + " tokens: "
             + "/".join(f"{b:.3f}" for b in bits["at_context"].values()) + "; "
-            f"{layout.page_bytes} B per {block_size}-token page per layer "
+            f"{layout.page_bytes} B per {block_size}-token page per layer"
+            f"{' without retrieval heads' if scheme.retrieval_heads else ''} "
             f"({layout.bytes_per_token:.1f} B/token vs {2 * num_kv_heads * head_dim * model_dtype_bytes} "
             f"in the model dtype)"
             + (f"; outside the pages: codebooks {side / 2**20:.2f} MiB" if side else ""))

@@ -100,6 +100,8 @@ def scheme_config(vllm_config: Any) -> dict[str, Any]:
         value_codec=describe_codec(vc), block_tokens=scheme.block_tokens,
         sink_tokens=scheme.sink_tokens, residual_tokens=scheme.residual_tokens,
         rotate=scheme.rotate, protect_first=scheme.protect_first,
+        retrieval_heads=scheme.retrieval_heads, retrieval_scheme=scheme.retrieval_scheme,
+        retrieval_keys_only=scheme.retrieval_keys_only,
         page_tokens=int(cc.block_size), skip_layers=skip, obs_window=cfg.obs_window,
         stp_relevance=bool(scheme.uses_relevance), eviction=eviction,
         attention_impl=cfg.attention_impl or "auto", set_fields=cfg.explicit())

@@ -34,7 +34,8 @@ DEFAULT_PAGE_TOKENS = 512
 MAX_PAGE_TOKENS = 8192
 #: fields of a scheme that shape the cache rather than a codec
 CACHE_FIELDS = ("block_tokens", "sink_tokens", "residual_tokens", "page_tokens", "rotate",
-                "rotate_seed", "protect_first")
+                "rotate_seed", "protect_first", "retrieval_heads", "retrieval_scheme",
+                "retrieval_keys_only")
 
 
 
@@ -75,6 +76,12 @@ class KVScheme:
     rotate_seed: int = 0
     #: which tokens STP protects first in a group with visual tokens (:data:`PROTECT_FIRST`)
     protect_first: str = "visual"
+    #: KV heads of the model (its highest retrieval scores, :mod:`..retrieval_heads`) coded by
+    #: ``retrieval_scheme``'s codecs instead of this scheme's (0: none)
+    retrieval_heads: int = 0
+    retrieval_scheme: str = "kivi4"
+    #: retrieval heads take only the key codec of ``retrieval_scheme``, values keep this scheme's
+    retrieval_keys_only: bool = False
 
     def codecs(self, head_dim: int, block_tokens: int | None = None, layer: int | None = None
                ) -> tuple[BlockCodec, BlockCodec]:
@@ -82,16 +89,38 @@ class KVScheme:
         T = block_tokens or self.block_tokens
         return self.key.build(T, head_dim, layer), self.value.build(T, head_dim, layer)
 
+    def retrieval_codecs(self, head_dim: int, block_tokens: int | None = None,
+                         layer: int | None = None) -> tuple[BlockCodec, BlockCodec]:
+        """The key and value codecs of the retrieval heads (the groups of :meth:`codecs`)."""
+        T = block_tokens or self.block_tokens
+        other = get_scheme(self.retrieval_scheme)
+        kc = other.key.build(T, head_dim, layer)
+        return kc, (self.value if self.retrieval_keys_only else other.value).build(T, head_dim, layer)
+
+    def retrieval_share(self, model_kv_heads: int | None) -> float:
+        """Fraction of the model's packed KV heads (layers x KV heads) that are retrieval heads."""
+        if not self.retrieval_heads:
+            return 0.0
+        require(isinstance(model_kv_heads, int) and model_kv_heads >= self.retrieval_heads,
+                "model_kv_heads", f"the model's packed KV heads (>= retrieval_heads "
+                f"{self.retrieval_heads}) to count the retrieval heads' bits", model_kv_heads)
+        return self.retrieval_heads / model_kv_heads
+
     def check_model(self, model: ModelIdentity) -> list[str]:
         """Reasons the codecs' learned state (e.g. RVQ codebooks) cannot serve ``model``."""
         reasons = [r for c in self.codecs(model.head_dim) if hasattr(c, "check_model")
                    for r in c.check_model(model)]
         return list(dict.fromkeys(reasons))
 
-    def effective_bits(self, head_dim: int, block_tokens: int | None = None) -> float:
-        """Bits per element over K and V together, every stored byte counted."""
-        k, v = self.codecs(head_dim, block_tokens)
-        return (k.effective_bits + v.effective_bits) / 2
+    def effective_bits(self, head_dim: int, block_tokens: int | None = None,
+                       model_kv_heads: int | None = None) -> float:
+        """Bits per element over K and V together, every stored byte counted; with
+        retrieval heads, over all ``model_kv_heads`` (layers x KV heads) of the model."""
+        share = self.retrieval_share(model_kv_heads)
+        pairs = [(1 - share, self.codecs(head_dim, block_tokens))]
+        if share:
+            pairs.append((share, self.retrieval_codecs(head_dim)))
+        return sum(w * (k.effective_bits + v.effective_bits) / 2 for w, (k, v) in pairs)
 
     @property
     def staged_groups(self) -> int:
@@ -106,21 +135,25 @@ class KVScheme:
         return self.page_tokens or -(-DEFAULT_PAGE_TOKENS // T) * T
 
     def effective_bits_at(self, context_tokens: int, head_dim: int, block_size: int | None = None,
-                          model_dtype_bytes: int = 2) -> float:
+                          model_dtype_bytes: int = 2, model_kv_heads: int | None = None) -> float:
         """Honest bits per element of one sequence of ``context_tokens`` tokens: every page
         byte of its blocks of ``block_size`` tokens (default :attr:`page_size`; sink area
         and padding included) plus its staging (residual window and partial group,
         :attr:`staged_groups` groups in the model dtype, as allocated), over its K and V
-        elements."""
+        elements; with retrieval heads, over all ``model_kv_heads`` of the model."""
         from .paged import PagedLayout
 
         T = self.block_tokens
         block_size = block_size or self.page_size
-        kc, vc = self.codecs(head_dim)
-        layout = PagedLayout(kc, vc, 1, block_size, self.sink_tokens)
+        share = self.retrieval_share(model_kv_heads)
+        pairs = [(1 - share, self.codecs(head_dim))]
+        if share:
+            pairs.append((share, self.retrieval_codecs(head_dim)))
+        head_page = sum(w * PagedLayout(kc, vc, 1, block_size, self.sink_tokens).page_bytes
+                        for w, (kc, vc) in pairs)
         blocks = -(-context_tokens // block_size)
         staged = self.staged_groups * T * 2 * head_dim * model_dtype_bytes
-        return (blocks * layout.page_bytes + staged) * 8 / (context_tokens * 2 * head_dim)
+        return (blocks * head_page + staged) * 8 / (context_tokens * 2 * head_dim)
 
     def rotation(self, head_dim: int, layer: int | None) -> HadamardRotation | None:
         """The head-vector rotation of ``layer`` (None: not rotated)."""
@@ -183,6 +216,22 @@ class KVScheme:
                 "'visual' unless the scheme protects tokens (protect > 0)", self.protect_first)
         if self.rotate != "none":
             HadamardRotation(head_dim)
+        require(isinstance(self.retrieval_heads, int) and self.retrieval_heads >= 0,
+                "retrieval_heads", "an int >= 0 (KV heads of the model; 0: none)",
+                self.retrieval_heads)
+        require(isinstance(self.retrieval_keys_only, bool), "retrieval_keys_only", "true or false",
+                self.retrieval_keys_only)
+        if self.retrieval_heads:
+            other = SCHEMES.get(self.retrieval_scheme)
+            require(other is not None and not other.retrieval_heads, "retrieval_scheme",
+                    f"a scheme without retrieval heads, one of "
+                    f"{sorted(n for n, s in SCHEMES.items() if not s.retrieval_heads)}",
+                    self.retrieval_scheme)
+            require(not self.uses_relevance and not any(
+                c.uses_relevance or hasattr(c, "check_model")
+                for c in self.retrieval_codecs(head_dim)), "retrieval_heads",
+                "0 with STP (protect > 0) or learned (RVQ) codecs: not supported together",
+                self.retrieval_heads)
 
 
 SCHEMES: dict[str, KVScheme] = {}
@@ -208,18 +257,25 @@ register(KVScheme("kivi4", "KIVI 4-bit: K per-channel, V per-token",
 
 VIDKV_KEY = CodecSpec(VidKVKeyCodec, {"k": 0.5, "fft": True})
 VIDKV_VALUE = {"gamma": 0.7, "protect": 0.0}
-# vidkv: the best VidKV configuration at <= 2.25 bits per element at 8K tokens, picked
-# by the yardstick: 4 exact sink tokens bring most of the quality back (PPL 1.44x ->
-# 1.08x bf16, bench/results/quality_tuning_hf.md) and a 64-token residual window what
-# the budget allows beyond; 1024-token pages pay the sink area once per 1024 tokens
-# (pages 1.996 bits, 2.246 at 8K with staging). No rotation: the Hadamard rotation
-# lowers perplexity a little more (1.056x -> 1.038x) but costs passkey retrieval
-# (bench/results/quality_vllm.md): spread over every channel, the outliers' range
-# coarsens the small channels that retrieval reads.
-register(KVScheme("vidkv", "VidKV: K 1.5-bit (range-selected 2/1-bit, FFT), V ternary "
-                           "per-channel; 4 exact sink tokens, 64-token residual window",
-                  VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), sink_tokens=4,
-                  residual_tokens=64, page_tokens=1024))
+# vidkv: the best VidKV configuration at <= 2.25 bits per element at 8K tokens (and
+# <= 2.0 in the pages), picked by the yardstick. 4 exact sink tokens bring most of the
+# perplexity back (1.44x -> 1.08x bf16, bench/results/quality_tuning_hf.md) and a 64-token
+# residual window a little more. Retrieval (passkey) needs more: the needle must win a
+# softmax over thousands of filler keys, and 1.5-bit keys' noise drowns it. Few heads do
+# that copying (retrieval heads, Wu et al. 2024): the 6 of SmolLM2's 90 KV heads with the
+# highest retrieval scores keep 4-bit KIVI keys (values stay ternary), which takes passkey
+# from 5/16 to 13/16 (bf16 15/16) on the transformers engine; to pay for them the other
+# heads' keys give 2 bits to 3/8 of their channels instead of half (k = 0.375, no
+# measurable perplexity cost) and pages are 2048 tokens (the sink area paid once per page):
+# pages 1.99 bits, 2.24 at 8K with staging. No rotation: the Hadamard rotation lowers
+# perplexity a little but costs retrieval (bench/results/quality_vllm.md).
+VIDKV_TUNED_KEY = CodecSpec(VidKVKeyCodec, {**VIDKV_KEY.params, "k": 0.375})
+register(KVScheme("vidkv", "VidKV: K 1.4-bit (range-selected 2/1-bit, FFT), V ternary "
+                           "per-channel; 6 retrieval heads with 4-bit keys; 4 exact sink tokens, "
+                           "64-token residual window",
+                  VIDKV_TUNED_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), sink_tokens=4,
+                  residual_tokens=64, page_tokens=2048, retrieval_heads=6,
+                  retrieval_keys_only=True))
 register(KVScheme("vidkv_paper", "VidKV as in the paper: K 1.5-bit FFT, V ternary per-channel, "
                                  "full-precision residual of the last 128 tokens, no sinks",
                   VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), residual_tokens=128))

@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 from ..codecs.base import ModelIdentity, require
 from ..schemes import KVScheme, get_scheme
 from .hooks import RELEVANCE_MODES, RelevanceFn, install_query_hooks, use_compacted_attention
-from .layer import LowBitLayer, VisualTokens
+from .layer import HeadSplitLayer, LowBitLayer, VisualTokens
 
 if TYPE_CHECKING:
     from ..eviction import EvictionPlan, EvictionPolicy
@@ -77,22 +77,57 @@ class LowBitKVCache(Cache):
         if reasons:
             raise ValueError(f"scheme {self.scheme.name}: " + "; ".join(reasons))
         self.visual = VisualTokens(self.scheme.protect_first if self.scheme else "visual")
+        #: {layer: its retrieval KV heads} (:mod:`vllm_lowbit_kv.retrieval_heads`)
+        self.retrieval = self._retrieval_heads(model, model_config, n_layers)
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.model_kv_heads = (n_layers - len(self.skip_layers)) * kv_heads
+
+        def layer(i: int, codecs: tuple | None) -> LowBitLayer:
+            kc, vc = codecs or (None, None)
+            return LowBitLayer(i, kc, vc, self.block_tokens, self.sink_tokens, relevance, obs_window,
+                               attend_new_exact, evictable,
+                               self.residual_tokens if kc is not None else 0,
+                               self.scheme.rotation(head_dim, i) if kc is not None else None,
+                               self.visual)
         layers = []
         for i in range(n_layers):
             if i in self.skip_layers:
-                kc = vc = None
+                layers.append(layer(i, None))
+            elif i in self.retrieval and len(self.retrieval[i]) == kv_heads:  # all retrieve
+                layers.append(layer(i, self.scheme.retrieval_codecs(head_dim, self.block_tokens, layer=i)))
+            elif i in self.retrieval:
+                require(not evictable, "retrieval_heads", "0 with eviction (plans whole layers)",
+                        self.scheme.retrieval_heads)
+                heads = [tuple(h for h in range(kv_heads) if h not in self.retrieval[i]),
+                         self.retrieval[i]]
+                layers.append(HeadSplitLayer(
+                    [layer(i, self.scheme.codecs(head_dim, self.block_tokens, layer=i)),
+                     layer(i, self.scheme.retrieval_codecs(head_dim, self.block_tokens, layer=i))],
+                    heads))
             else:  # codecs built per layer: a codec may keep per-layer state (codebooks)
-                kc, vc = self.scheme.codecs(head_dim, self.block_tokens, layer=i)
-            layers.append(LowBitLayer(
-                i, kc, vc, self.block_tokens, self.sink_tokens, relevance, obs_window,
-                attend_new_exact, evictable,
-                self.residual_tokens if kc is not None else 0,
-                self.scheme.rotation(head_dim, i) if kc is not None else None, self.visual))
+                layers.append(layer(i, self.scheme.codecs(head_dim, self.block_tokens, layer=i)))
         self.records_queries = any(layer.wants_queries for layer in layers)
         if self.records_queries:
             require(model is not None, "model", "given for relevance='attention'", None)
             install_query_hooks(model)
         super().__init__(layers=layers)
+
+    def _retrieval_heads(self, model, model_config, n_layers: int) -> dict[int, tuple[int, ...]]:
+        """{layer: retrieval KV heads} of the scheme's ``retrieval_heads`` for this model:
+        the top scores of :func:`~vllm_lowbit_kv.retrieval_heads.model_scores`, measured on
+        the model's folder (skip_layers take none)."""
+        if not self.scheme or not self.scheme.retrieval_heads:
+            return {}
+        from ..retrieval_heads import heads_by_layer, model_scores, top_heads
+        folder = getattr(model_config, "_name_or_path", "") or getattr(
+            getattr(model, "config", None), "_name_or_path", "")
+        require(bool(folder), "model", "loaded from a folder (its retrieval heads are measured "
+                "there)", folder)
+        scores = model_scores(folder).clone()
+        require(scores.shape[0] == n_layers, "retrieval head scores", f"{n_layers} layers",
+                tuple(scores.shape))
+        scores[sorted(self.skip_layers)] = float("-inf")
+        return heads_by_layer(top_heads(scores, self.scheme.retrieval_heads))
 
     def mark_visual(self, mask: torch.Tensor) -> None:
         """Mark which tokens of the next forward are visual (image or video-frame
@@ -107,7 +142,7 @@ class LowBitKVCache(Cache):
         """Bits per element of the packed blocks (K and V averaged), every stored byte counted."""
         if self.scheme is None:
             return 16.0
-        return self.scheme.effective_bits(self.head_dim, self.block_tokens)
+        return self.scheme.effective_bits(self.head_dim, self.block_tokens, self.model_kv_heads)
 
     def evict(self, policy: "EvictionPolicy", model: torch.nn.Module) -> "EvictionPlan":
         """Evict once, after the prompt's prefill: plan on every layer's exact prompt K/V,
@@ -128,8 +163,7 @@ class LowBitKVCache(Cache):
         and the bf16 equivalent of every cached token."""
         per_layer = [layer.memory() for layer in self.layers]
         tot = {k: sum(m[k] for m in per_layer) for k in per_layer[0]} if per_layer else {}
-        packed_bf16 = sum(layer.keys.shape[0] * layer.keys.shape[1] * self.head_dim * 4 * m["packed_tokens"]
-                          for layer, m in zip(self.layers, per_layer) if layer.is_initialized)
+        packed_bf16 = tot.get("packed_bf16_bytes", 0)
         return dict(
             scheme=self.scheme.name if self.scheme else None, block_tokens=self.block_tokens, sink_tokens=self.sink_tokens,
             skip_layers=sorted(self.skip_layers), tokens=self.get_seq_length(),

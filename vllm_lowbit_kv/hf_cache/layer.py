@@ -330,7 +330,7 @@ class LowBitLayer(DynamicLayer):
         """Bytes held by this layer (K and V together), and their bf16 equivalents."""
         if not self.is_initialized:
             return dict(tokens=0, stored_tokens=0, packed_tokens=0, packed_bytes=0, full_precision_bytes=0,
-                        total_bytes=0, bf16_bytes=0)
+                        total_bytes=0, bf16_bytes=0, packed_bf16_bytes=0)
         B, H = self.keys.shape[:2]
         D = self.keys.shape[-1]
         packed_tokens = self.n_blocks * self.block_tokens
@@ -341,4 +341,55 @@ class LowBitLayer(DynamicLayer):
         stored = packed_tokens + self.keys.shape[-2]
         return dict(tokens=self.length, stored_tokens=stored, packed_tokens=packed_tokens, packed_bytes=packed,
                     full_precision_bytes=fp, total_bytes=packed + fp,
-                    bf16_bytes=B * H * D * 2 * 2 * self.length)
+                    bf16_bytes=B * H * D * 2 * 2 * self.length,
+                    packed_bf16_bytes=B * H * D * 2 * 2 * packed_tokens)
+
+
+class HeadSplitLayer(DynamicLayer):
+    """A layer whose KV heads are coded by different codec pairs (retrieval heads,
+    :mod:`vllm_lowbit_kv.retrieval_heads`): one :class:`LowBitLayer` per part over its KV
+    heads (``heads[i]``), K/V split by head on the way in and put back in head order on
+    the way out; the vLLM pages hold the same parts (``paged.HeadSplitLayout``)."""
+
+    is_croppable = False
+    wants_queries = False
+
+    def __init__(self, parts: list[LowBitLayer], heads: list[tuple[int, ...]]):
+        super().__init__()
+        self.parts, self.heads = parts, [tuple(h) for h in heads]
+        order = torch.tensor([h for hs in self.heads for h in hs])
+        self._index = [torch.tensor(h) for h in self.heads]
+        self._inverse = torch.argsort(order)  # concatenated parts -> head order
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.is_initialized = True
+        outs = [part.update(key_states[:, idx.to(key_states.device)],
+                            value_states[:, idx.to(value_states.device)])
+                for part, idx in zip(self.parts, self._index)]
+        inv = self._inverse.to(key_states.device)
+        return (torch.cat([k for k, _ in outs], dim=1)[:, inv],
+                torch.cat([v for _, v in outs], dim=1)[:, inv])
+
+    def get_seq_length(self) -> int:
+        return self.parts[0].get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        for part in self.parts:
+            part.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.parts[0].crop(tokens_to_remove)
+
+    def exact(self):
+        require(False, "retrieval_heads", "0 to evict (eviction plans whole layers)", len(self.parts))
+
+    def memory(self) -> dict[str, int]:
+        per_part = [part.memory() for part in self.parts]
+        out = {k: sum(m[k] for m in per_part) for k in per_part[0]}
+        out["tokens"], out["stored_tokens"], out["packed_tokens"] = (
+            per_part[0]["tokens"], per_part[0]["stored_tokens"], per_part[0]["packed_tokens"])
+        return out

@@ -7,7 +7,7 @@ import torch
 from ..codecs.base import require
 from ..ops import merge_attention, packed_attention_reference
 from .attention import attention_mass, context_keys, exact_attention
-from .layout import PagedLayout
+from .layout import HeadSplitLayout, PagedLayout
 from .plan import ReadPlan, WritePlan
 from .write import Staging, encode_groups, stage_tokens, write_sink_tokens
 
@@ -53,6 +53,30 @@ def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query:
             res, _ = merge_attention(p_out, p_lse, res, res_lse)
         out[:n] = res.to(out.dtype)
     stage_tokens(wplan, key, value, staging, query)
+
+
+def forward_split_layer(wplan: WritePlan, rplan: ReadPlan, split: HeadSplitLayout,
+                        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        pages: torch.Tensor, staging: Staging, scale: float, out: torch.Tensor,
+                        packed_attention: list | None = None) -> None:
+    """:func:`forward_layer` for a layer whose KV heads are split between page formats
+    (retrieval heads): each part runs as a layer of its own over its KV heads, their query
+    heads (GQA) and its bytes of the page; part i stages its heads in staging heads
+    ``[sum of the earlier parts' H, + H_i)``. ``packed_attention[i]`` reads part i."""
+    n = rplan.q_start[-1]
+    group = query.shape[1] // split.H
+    lo = 0
+    for i, (part, heads, part_pages) in enumerate(zip(split.parts, split.heads,
+                                                        split.part_pages(pages))):
+        kv = torch.tensor(heads, device=query.device)
+        q_heads = (kv[:, None] * group + torch.arange(group, device=query.device)).flatten()
+        part_out = torch.empty(n, q_heads.numel(), split.D, dtype=out.dtype, device=out.device)
+        part_staging = Staging(staging.k[:, :, lo:lo + part.H], staging.v[:, :, lo:lo + part.H])
+        forward_layer(wplan, rplan, part, query.index_select(1, q_heads), key.index_select(1, kv),
+                      value.index_select(1, kv), part_pages, part_staging, scale, part_out,
+                      None, None if packed_attention is None else packed_attention[i])
+        out[:n, q_heads] = part_out
+        lo += part.H
 
 
 def _encode_in_dependency_order(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout,

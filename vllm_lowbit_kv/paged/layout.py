@@ -174,3 +174,56 @@ def mask_sink_rows(group: torch.Tensor, sinks: int, dim: int = 0) -> torch.Tenso
         rows = group.narrow(dim, 0, sinks)
         rows.copy_(group.narrow(dim, sinks, T - sinks).mean(dim, keepdim=True).expand_as(rows))
     return group
+
+
+class HeadSplitLayout:
+    """A layer whose KV heads are coded by different page formats: its retrieval heads
+    (:mod:`vllm_lowbit_kv.retrieval_heads`) by a higher-precision codec pair, the others by
+    the scheme's. Each part is a whole :class:`PagedLayout` over its heads; a page of the
+    layer holds the parts one after the other (``[num_blocks, H_0, P_0]`` bytes, then
+    ``[num_blocks, H_1, P_1]``), so every kernel reads a part as it reads any layer, through
+    a strided view (:meth:`part_pages`). ``heads[i]`` are the layer's KV heads of part i."""
+
+    def __init__(self, parts: list[PagedLayout], heads: list[tuple[int, ...]]):
+        require(len(parts) == len(heads) and all(p.H == len(h) for p, h in zip(parts, heads)),
+                "HeadSplitLayout heads", "one tuple of KV heads per part, as many as its layout's",
+                [len(h) for h in heads])
+        first = parts[0]
+        require(all((p.T, p.D, p.block_size, p.sink_tokens) ==
+                    (first.T, first.D, first.block_size, first.sink_tokens) for p in parts),
+                "HeadSplitLayout parts", "the same groups, head_dim, block size and sinks",
+                [(p.T, p.D, p.block_size, p.sink_tokens) for p in parts])
+        every = sorted(h for hs in heads for h in hs)
+        require(every == list(range(len(every))), "HeadSplitLayout heads",
+                "each KV head in exactly one part", heads)
+        self.parts, self.heads = parts, [tuple(h) for h in heads]
+        self.T, self.D, self.H = first.T, first.D, len(every)
+        self.block_size, self.sink_tokens = first.block_size, first.sink_tokens
+        self.groups_per_block = first.groups_per_block
+        self._offsets = [0]
+        for p in parts:
+            self._offsets.append(self._offsets[-1] + p.page_bytes)
+
+    @property
+    def page_bytes(self) -> int:
+        return self._offsets[-1]
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.page_bytes / self.block_size
+
+    @property
+    def bits_per_element(self) -> float:
+        return self.page_bytes * 8 / (self.block_size * self.H * self.D * 2)
+
+    def page_shape(self, num_blocks: int) -> tuple[int, int]:
+        return (num_blocks, self.page_bytes)
+
+    def part_pages(self, pages: torch.Tensor) -> list[torch.Tensor]:
+        """A layer's cache (any view with ``page_bytes`` per block) -> per part a
+        ``[num_blocks, H_i, P_i]`` view sharing its memory."""
+        flat = pages.view(pages.shape[0], -1)  # raises rather than copy
+        require(flat.shape[1] == self.page_bytes, "page bytes", f"{self.page_bytes} (the layer's)",
+                flat.shape[1])
+        return [flat[:, a:b].unflatten(1, (p.H, p.head_bytes))
+                for p, a, b in zip(self.parts, self._offsets, self._offsets[1:])]

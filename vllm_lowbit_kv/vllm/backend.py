@@ -34,11 +34,12 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from ..config import LowBitKVConfigError
 from ..kv_stats import ATTENTION_IMPLS, VISUAL
 from ..ops import select_implementation
-from ..paged import (PagedLayout, ReadPlan, Staging, StagingAllocator, WritePlan, forward_layer,
+from ..paged import (HeadSplitLayout, PagedLayout, ReadPlan, Staging, StagingAllocator, WritePlan,
+                     forward_layer, forward_split_layer,
                      protected_visual)
 from . import BACKEND_NAME, is_lowbit_dtype
 from .eviction import compact_ordered, compacted_rows, forget_requests, layer_read_plan
-from .resolve import (device_type, model_dtype, page_layout, resolve, resolve_config,
+from .resolve import (SPEC_LAYER_ATTR, device_type, layer_layout, model_dtype, page_layout, resolve, resolve_config,
                       resolve_scheme, staging_bytes, staging_slots)
 
 if TYPE_CHECKING:
@@ -106,10 +107,16 @@ class LowBitKVBackend(AttentionBackend):
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         """Without sinks one state = one T-token group of one head (K bytes then V bytes);
-        with sinks one state = a whole block of one head (sink area, then the groups)."""
+        with sinks one state = a whole block of one head (sink area, then the groups); a
+        layer with retrieval heads (pages of two formats) has one state per block, all
+        heads. The spec names its layer (``SPEC_LAYER_ATTR``, set by our patch of
+        ``get_kv_cache_spec``); vLLM's own page-size probes pass none: a plain layer."""
         scheme = resolve_scheme()
-        layout = page_layout(scheme, spec.head_size, spec.num_kv_heads, spec.block_size,
-                             model_dtype())
+        layout = layer_layout(scheme, spec.head_size, spec.num_kv_heads, spec.block_size,
+                              model_dtype(), getattr(spec, SPEC_LAYER_ATTR, None))
+        if isinstance(layout, HeadSplitLayout):
+            return dataclasses.replace(spec, dtype=torch.uint8, tokens_per_state=spec.block_size,
+                                       num_head_slots=1, state_content_bytes=layout.page_bytes)
         if layout.sink_bytes == 0:
             return dataclasses.replace(spec, dtype=torch.uint8, tokens_per_state=layout.T,
                                        state_content_bytes=layout.state_bytes)
@@ -306,6 +313,14 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
             page_layout(self.scheme, head_size, num_kv_heads, self.T, self.model_dtype),
             device, cfg.attention_impl, gqa=num_heads // num_kv_heads)
         _log_implementation(self.attention_impl)
+        #: the implementation reading the retrieval heads' pages (their own format)
+        self.retrieval_attention = None
+        if self.scheme.retrieval_heads:
+            name, self.retrieval_attention = select_implementation(
+                page_layout(self.scheme, head_size, num_kv_heads, self.T, self.model_dtype,
+                            retrieval=True), device, cfg.attention_impl,
+                gqa=num_heads // num_kv_heads)
+            _log_implementation(name)
         # The home of every running sequence's residual window and incomplete last group
         # (and, for STP, their queries), sized once, now: on a GPU vLLM's memory profile,
         # which runs after the model is built, then counts it. It lives where vLLM puts
@@ -313,24 +328,28 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
         self.staging = Staging.allocate(staging_slots(vllm_config), self.T, num_kv_heads,
                                         head_size, self.model_dtype,
                                         num_heads if self.obs_window else None, device=device)
-        self._layout: PagedLayout | None = None
+        self._layout: PagedLayout | HeadSplitLayout | None = None
 
-    def _layout_for(self, kv_cache: torch.Tensor, layer_name: str) -> PagedLayout:
-        # kv_cache: uint8 [num_blocks, H, N, C] (no sinks) or [num_blocks, H, 1, P]
+    def _layout_for(self, kv_cache: torch.Tensor, layer_name: str) -> PagedLayout | HeadSplitLayout:
+        # kv_cache: uint8 [num_blocks, H, N, C] (no sinks) or [num_blocks, H, 1, P], or
+        # [num_blocks, 1, 1, page bytes] for a layer with retrieval heads
         if self._layout is None:
             from vllm.model_executor.models.utils import extract_layer_index
 
             if self.staging.k.device != kv_cache.device:
                 raise RuntimeError(f"lowbit-kv: {layer_name}'s KV cache is on {kv_cache.device}, "
                                    f"its staging on {self.staging.k.device}")
-            per_head = kv_cache.shape[2] * kv_cache.shape[3]
-            one = page_layout(self.scheme, self.head_size, self.num_kv_heads, self.T,
-                              self.model_dtype)
-            n_groups = (per_head - one.sink_bytes) // one.state_bytes
-            self._layout = page_layout(self.scheme, self.head_size, self.num_kv_heads,
-                                       n_groups * self.T, self.model_dtype,
-                                       layer=extract_layer_index(layer_name))
-            assert self._layout.head_bytes == per_head, (kv_cache.shape, self._layout.head_bytes)
+            layer = extract_layer_index(layer_name)
+
+            def layout(block_size: int) -> PagedLayout | HeadSplitLayout:
+                return layer_layout(self.scheme, self.head_size, self.num_kv_heads, block_size,
+                                    self.model_dtype, layer)
+            # page bytes = fixed (sink areas) + per group: solve for this cache's groups
+            one, two = layout(self.T).page_bytes, layout(2 * self.T).page_bytes
+            n_groups = (kv_cache[0].numel() - (2 * one - two)) // (two - one)
+            self._layout = layout(n_groups * self.T)
+            assert self._layout.page_bytes == kv_cache[0].numel(), (kv_cache.shape,
+                                                                    self._layout.page_bytes)
         return self._layout
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -349,8 +368,13 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
         query = query.view(n, self.num_heads, self.head_size)
         key = key.view(n, self.num_kv_heads, self.head_size)
         value = value.view(n, self.num_kv_heads, self.head_size)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        if isinstance(layout, HeadSplitLayout):
+            forward_split_layer(attn_metadata.write, attn_metadata.read, layout, query, key, value,
+                                kv_cache, self.staging, self.scale, out,
+                                [self.packed_attention, self.retrieval_attention])
+            return output
         forward_layer(attn_metadata.write, attn_metadata.read_for(layer.layer_name, layout), layout,
                       query, key, value, kv_cache,
-                      self.staging, self.scale, output[:n].view(n, self.num_heads, self.head_size),
-                      self.obs_window, self.packed_attention)
+                      self.staging, self.scale, out, self.obs_window, self.packed_attention)
         return output

@@ -27,7 +27,7 @@ from ..ops import requested_implementation, unsupported_reason
 from ..schemes import KVScheme
 from . import is_lowbit_dtype, scheme_names
 from .eviction import SCHEDULER_CLS, eviction_refusals
-from .resolve import device_type, page_layout, resolve
+from .resolve import device_type, page_layout, resolve, retrieval_layers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,6 +102,14 @@ def check_vllm_config(vllm_config: "VllmConfig", platform: "type[Platform]") -> 
                        "tokens attend causally, as our pages assume)")
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding: not supported")
+    if scheme.retrieval_heads and platform._enum != PlatformEnum.CPU:
+        reasons.append(f"retrieval_heads {scheme.retrieval_heads} off the CPU: their layers' "
+                       f"pages are larger, which vLLM's {platform.__name__} pads to one page "
+                       "size (set retrieval_heads 0)")
+    if scheme.retrieval_heads and vllm_config.parallel_config.tensor_parallel_size > 1:
+        reasons.append(f"retrieval_heads {scheme.retrieval_heads} with tensor parallelism: the "
+                       "heads are chosen over the model's KV heads, a shard holds some of them "
+                       "(set retrieval_heads 0)")
     if not cache_config.user_specified_block_size:
         # the scheme's page (the CPU platform would pick 128): one sink area per page
         cache_config.block_size = scheme.page_size
@@ -114,6 +122,13 @@ def check_vllm_config(vllm_config: "VllmConfig", platform: "type[Platform]") -> 
     reasons += eviction_refusals(vllm_config, scheme, cfg)
     if not reasons:
         reasons += _attention_impl_reasons(vllm_config, scheme, cfg, head_dim)
+    if not reasons and scheme.retrieval_heads:
+        try:  # measured now (once per model, cached), so the workers only read the file
+            retrieval_layers(vllm_config)
+        except Exception as e:  # noqa: BLE001 - any failure to measure is a refusal
+            reasons.append(f"retrieval_heads {scheme.retrieval_heads}: the model's retrieval "
+                           f"heads could not be measured with transformers ({e}); set "
+                           "retrieval_heads 0")
     if reasons:
         raise refusal(name, model_config.model, reasons)
     if skip:
@@ -150,10 +165,16 @@ def _attention_impl_reasons(vllm_config: "VllmConfig", scheme: KVScheme, cfg: Lo
         return []
     model_config = vllm_config.model_config
     kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
-    layout = page_layout(scheme, head_dim, kv_heads, scheme.block_tokens, model_config.dtype)
     gqa = model_config.get_num_attention_heads(vllm_config.parallel_config) // kv_heads
-    reason = unsupported_reason(name, layout, device_type(vllm_config), gqa)
-    return [f"attention_impl {name!r} cannot run here: {reason}"] if reason else []
+    reasons = []
+    for retrieval in (False, True) if scheme.retrieval_heads else (False,):
+        layout = page_layout(scheme, head_dim, kv_heads, scheme.block_tokens, model_config.dtype,
+                             retrieval=retrieval)
+        reason = unsupported_reason(name, layout, device_type(vllm_config), gqa)
+        if reason:
+            reasons.append(f"attention_impl {name!r} cannot run here"
+                           f"{' (retrieval heads)' if retrieval else ''}: {reason}")
+    return reasons
 
 
 def _log_once(vllm_config: "VllmConfig", scheme: KVScheme, cfg: LowBitKVConfig) -> None:

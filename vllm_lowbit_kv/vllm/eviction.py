@@ -216,6 +216,9 @@ def eviction_refusals(vllm_config, scheme, cfg) -> list[str]:
     if cfg.skip_layers:
         reasons.append(f"eviction with skip_layers {cfg.skip_layers}: those layers use vLLM's own "
                        "attention, which cannot read per-layer kept lengths")
+    if scheme.retrieval_heads:
+        reasons.append(f"eviction with retrieval_heads {scheme.retrieval_heads}: compaction "
+                       "re-encodes whole layers with one codec pair (set retrieval_heads 0)")
     if scheme.uses_relevance:
         reasons.append("eviction with an STP scheme: compaction re-encodes groups without the "
                        "observation-window queries their relevance needs")

@@ -7,8 +7,9 @@ was checked against; tests/test_vllm_patches.py fails when vLLM changes one of t
   :func:`widen_cache_dtype`, :func:`register_torch_dtypes`;
 - the platform's ``get_attn_backend_cls`` and ``check_and_update_config`` (CPU or CUDA,
   the same two wrappers): :func:`install_platform_hooks`;
-- the model runner's ``_update_states`` and the CPU worker's
-  ``determine_available_memory``, in processes that selected our backend:
+- the model runner's ``_update_states``, the attention layer's ``get_kv_cache_spec``
+  and the CPU worker's ``determine_available_memory``, in processes that selected our
+  backend:
   :func:`install_worker_hooks`;
 - a new ``WorkerBase`` method for ``/v1/kv_cache/stats``: :func:`install_worker_stats_method`.
 
@@ -126,7 +127,10 @@ def install_worker_hooks(platform: "type[Platform]") -> None:
     GPU vLLM's memory profile counts it: it is allocated with the model)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU runner's base too
 
+    from vllm.model_executor.layers.attention.attention import Attention
+
     _wrap(GPUModelRunner, "_update_states", _tell_builders)
+    _wrap(Attention, "get_kv_cache_spec", _name_spec_layer)
     if platform._enum == PlatformEnum.CPU:
         from vllm.v1.worker.cpu_worker import CPUWorker
 
@@ -146,6 +150,22 @@ def _tell_builders(original: Callable) -> Callable:
         record_step_owners(self)
         return result
     return _update_states
+
+
+def _name_spec_layer(original: Callable) -> Callable:
+    """Pages differ between layers when some hold retrieval heads, but vLLM hands our
+    ``customize_spec`` the layer's spec alone: the spec an attention layer returns
+    carries its layer index (``resolve.SPEC_LAYER_ATTR``)."""
+    def get_kv_cache_spec(self, vllm_config):
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        from .resolve import SPEC_LAYER_ATTR
+
+        spec = original(self, vllm_config)
+        if spec is not None and is_lowbit_dtype(vllm_config.cache_config.cache_dtype):
+            object.__setattr__(spec, SPEC_LAYER_ATTR, extract_layer_index(self.layer_name))
+        return spec
+    return get_kv_cache_spec
 
 
 def _budget_less_staging(original: Callable) -> Callable:

@@ -10,7 +10,7 @@ import torch
 from vllm.config import get_current_vllm_config_or_none
 
 from ..config import ADDITIONAL_CONFIG_KEY, LowBitKVConfig
-from ..paged import PagedLayout
+from ..paged import HeadSplitLayout, PagedLayout
 from ..schemes import KVScheme
 
 if TYPE_CHECKING:
@@ -23,12 +23,18 @@ _last: tuple[KVScheme, LowBitKVConfig] | None = None
 #: the model dtype of the config resolved last, for the same hooks: the sink area and the
 #: staging hold model-dtype values, so the page size depends on it
 _last_model_dtype: torch.dtype | None = None
+#: the model folder of the config resolved last (its retrieval heads), for the same hooks
+_last_model: str | None = None
+#: {(model, retrieval_heads, skip_layers): {layer: retrieval KV heads}}
+_retrieval: dict[tuple, dict[int, tuple[int, ...]]] = {}
+#: attribute naming the layer of a KV cache spec (set by the ``get_kv_cache_spec`` patch)
+SPEC_LAYER_ATTR = "_lowbit_kv_layer"
 
 
 def resolve(vllm_config: "VllmConfig | None" = None) -> tuple[KVScheme, LowBitKVConfig]:
     """(scheme, lowbit_kv config) of ``vllm_config``, else of the config in scope, else of
     the last one resolved. Raises :class:`~vllm_lowbit_kv.config.LowBitKVConfigError`."""
-    global _last, _last_model_dtype
+    global _last, _last_model_dtype, _last_model
     vllm_config = vllm_config or get_current_vllm_config_or_none()
     if vllm_config is None:
         if _last is None:
@@ -36,6 +42,7 @@ def resolve(vllm_config: "VllmConfig | None" = None) -> tuple[KVScheme, LowBitKV
         return _last
     if vllm_config.model_config is not None:
         _last_model_dtype = vllm_config.model_config.dtype
+        _last_model = vllm_config.model_config.model
     name = vllm_config.cache_config.cache_dtype
     raw = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) \
         if isinstance(vllm_config.additional_config, dict) else None
@@ -57,12 +64,51 @@ def resolve_config(vllm_config: "VllmConfig | None" = None) -> LowBitKVConfig:
 
 
 def page_layout(scheme: KVScheme, head_size: int, num_kv_heads: int, block_size: int,
-                dtype: torch.dtype, layer: int | None = None) -> PagedLayout:
-    """The page layout; codecs with per-layer state (RVQ codebooks) need ``layer`` to
-    code, the byte layout is the same for every layer."""
-    kc, vc = scheme.codecs(head_size, layer=layer)
+                dtype: torch.dtype, layer: int | None = None, retrieval: bool = False
+                ) -> PagedLayout:
+    """The page layout of the scheme's codecs (``retrieval``: of its retrieval heads' codecs)
+    over ``num_kv_heads`` heads; codecs with per-layer state (RVQ codebooks) need ``layer``
+    to code, the byte layout is the same for every layer."""
+    kc, vc = (scheme.retrieval_codecs if retrieval else scheme.codecs)(head_size, layer=layer)
     return PagedLayout(kc, vc, num_kv_heads, block_size, scheme.sink_tokens, dtype,
                        scheme.rotation(head_size, layer), scheme.protect_first)
+
+
+def retrieval_layers(vllm_config: "VllmConfig | None" = None) -> dict[int, tuple[int, ...]]:
+    """{layer: its retrieval KV heads} for the served model (empty without retrieval
+    heads): the scheme's ``retrieval_heads`` top scores of
+    :func:`vllm_lowbit_kv.retrieval_heads.model_scores` (measured on first use, cached),
+    none in ``skip_layers``."""
+    scheme, cfg = resolve(vllm_config)
+    if not scheme.retrieval_heads:
+        return {}
+    vllm_config = vllm_config or get_current_vllm_config_or_none()
+    model = vllm_config.model_config.model if vllm_config is not None else _last_model
+    key = (model, scheme.retrieval_heads, tuple(cfg.skip_layers))
+    if key not in _retrieval:
+        import logging
+
+        from ..retrieval_heads import heads_by_layer, model_scores, top_heads
+        scores = model_scores(model, log=logging.getLogger("vllm.lowbit_kv").info).clone()
+        scores[list(cfg.skip_layers)] = float("-inf")
+        _retrieval[key] = heads_by_layer(top_heads(scores, scheme.retrieval_heads))
+    return _retrieval[key]
+
+
+def layer_layout(scheme: KVScheme, head_size: int, num_kv_heads: int, block_size: int,
+                 dtype: torch.dtype, layer: int | None) -> PagedLayout | HeadSplitLayout:
+    """The pages of one layer: :func:`page_layout`, or for a layer with retrieval heads a
+    :class:`~vllm_lowbit_kv.paged.HeadSplitLayout` (the other heads, then those)."""
+    heads = retrieval_layers().get(layer, ()) if layer is not None else ()
+    if not heads:
+        return page_layout(scheme, head_size, num_kv_heads, block_size, dtype, layer)
+    rest = tuple(h for h in range(num_kv_heads) if h not in heads)
+    if not rest:  # every head of the layer retrieves
+        return page_layout(scheme, head_size, num_kv_heads, block_size, dtype, layer, True)
+    return HeadSplitLayout(
+        [page_layout(scheme, head_size, len(rest), block_size, dtype, layer),
+         page_layout(scheme, head_size, len(heads), block_size, dtype, layer, retrieval=True)],
+        [rest, heads])
 
 
 def model_dtype() -> torch.dtype:
