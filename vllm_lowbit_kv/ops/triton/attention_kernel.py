@@ -185,22 +185,27 @@ def _values(p, base, t, tvalid, D: tl.constexpr, VAL_KIND: tl.constexpr,
         else:
             trits = load_trits(base + V_TRITS, t[:, None] * D + c[None, :], rows)
             out = _dot_codes(p, trits, MMA_BF16) * alpha[None, :]
-    else:
+    elif VAL_KIND == 0:  # KIVI per token: one scale/zero per (token, VAL_GROUP channels)
         codes = load_code_rows(base + V_CODES, t, tvalid, D, VAL_BITS)
-        if VAL_KIND == 0:  # KIVI per token: one scale/zero per (token, VAL_GROUP channels)
-            NG: tl.constexpr = D // VAL_GROUP
-            out = tl.zeros([p.shape[0], D], tl.float32)
-            for gi in tl.static_range(NG):
-                scale = load_f16(base + V_SCALE, t * NG + gi, tvalid)
-                zero = load_f16(base + V_ZERO, t * NG + gi, tvalid)
-                in_g = (c // VAL_GROUP == gi)[None, :]
-                part = _dot_codes(p * scale[None, :], tl.where(in_g, codes, 0), MMA_BF16)
-                out += part + tl.where(in_g, tl.sum(p * zero[None, :], axis=1)[:, None], 0.0)
-        else:  # KIVI per channel
-            scale = load_f16(base + V_SCALE, c, c < D)
-            zero = load_f16(base + V_ZERO, c, c < D)
-            out = (_dot_codes(p, codes, MMA_BF16) * scale[None, :]
-                   + tl.sum(p, axis=1)[:, None] * zero[None, :])
+        NG: tl.constexpr = D // VAL_GROUP
+        out = tl.zeros([p.shape[0], D], tl.float32)
+        for gi in tl.static_range(NG):
+            scale = load_f16(base + V_SCALE, t * NG + gi, tvalid)
+            zero = load_f16(base + V_ZERO, t * NG + gi, tvalid)
+            in_g = (c // VAL_GROUP == gi)[None, :]
+            part = _dot_codes(p * scale[None, :], tl.where(in_g, codes, 0), MMA_BF16)
+            out += part + tl.where(in_g, tl.sum(p * zero[None, :], axis=1)[:, None], 0.0)
+    else:  # KIVI per channel
+        # code by code (as the ternary codes above), not load_code_rows: its reshaped
+        # tile fed straight into tl.dot is the one operand no GPU run had exercised, and
+        # vidkv_k15v2 (VidKV keys, these values) hit an illegal memory access on an H200
+        # with Triton 3.6 (tests/test_kernel_protocol.py); every path here now builds its
+        # dot operands like one that runs there
+        codes = load_codes(base + V_CODES, t[:, None] * D + c[None, :], rows, VAL_BITS)
+        scale = load_f16(base + V_SCALE, c, c < D)
+        zero = load_f16(base + V_ZERO, c, c < D)
+        out = (_dot_codes(p, codes, MMA_BF16) * scale[None, :]
+               + tl.sum(p, axis=1)[:, None] * zero[None, :])
     return out
 
 
