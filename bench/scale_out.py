@@ -71,7 +71,8 @@ def bits(dtype: str, context: int) -> float:
         return 16.0
     from vllm_lowbit_kv.schemes import get_scheme
 
-    return get_scheme(dtype).effective_bits_at(context, HEAD_DIM)
+    # tensor parallelism serves no retrieval heads (they are chosen over the whole model)
+    return get_scheme(dtype).with_params(retrieval_heads=0).effective_bits_at(context, HEAD_DIM)
 
 
 def row(gpus: int, tp: int, pp: int, dtype: str, context: int) -> Row:

@@ -50,7 +50,7 @@ def test_gpu_script_dry_run(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
-    for stage in ("vllm_lowbit_kv.ops.cuda", "pytest -v -rs --durations=15 -m gpu", "bench.kernels --device cuda",
+    for stage in ("vllm_lowbit_kv.ops.cuda", "pytest -v -rs --durations=10 -m gpu", "bench.kernels --device cuda",
                   "bench.paged_forward --device cuda", f"{tmp_path}/kernels_gpu.json"):
         assert stage in out, (stage, out)
     assert "bench.kernels --dry-run: device cuda; cells" in out and "32768x32" in out, out

@@ -5,16 +5,29 @@ from vllm_lowbit_kv.schemes import SCHEMES, get_scheme
 REQUIRED = ["vidkv", "vidkv_stp", "vidkv_k2v2", "kivi2", "kivi4", "quantile1", "dynamic4", "dynamic2"]
 
 
+#: SmolLM2-135M: 30 layers x 3 KV heads
+SMOLLM2_KV_HEADS = 90
+
+
 @pytest.mark.parametrize("name", REQUIRED)
 def test_required_schemes_are_registered_and_build(name):
     scheme = get_scheme(name)
     k, v = scheme.codecs(head_dim=64)
     assert k.block_tokens == v.block_tokens == scheme.block_tokens
-    assert 0 < scheme.effective_bits(64) < 16
+    assert 0 < scheme.effective_bits(64, model_kv_heads=SMOLLM2_KV_HEADS) < 16
 
 
 def test_vidkv_is_under_two_honest_bits_at_its_default_block():
-    assert get_scheme("vidkv").effective_bits(64) < 2.0
+    """Every byte of its pages, retrieval heads included, over SmolLM2's 90 KV heads."""
+    vidkv = get_scheme("vidkv")
+    assert vidkv.effective_bits(64, model_kv_heads=SMOLLM2_KV_HEADS) < 2.0
+    assert vidkv.effective_bits_at(1 << 24, 64, model_kv_heads=SMOLLM2_KV_HEADS) < 2.0  # pages
+    assert vidkv.effective_bits_at(8192, 64, model_kv_heads=SMOLLM2_KV_HEADS) <= 2.25
+    # the retrieval heads are counted: more of them cost more bits
+    more = vidkv.with_params(retrieval_heads=12)
+    assert more.effective_bits(64, model_kv_heads=90) > vidkv.effective_bits(64, model_kv_heads=90)
+    with pytest.raises(ValueError, match="model_kv_heads"):
+        vidkv.effective_bits(64)
 
 
 def test_unknown_scheme_lists_valid_names():

@@ -24,7 +24,8 @@ def test_fields_cover_every_codec_parameter():
             params |= {p for p in inspect.signature(spec.cls.__init__).parameters
                        if spec.accepts(p)}
     cache = {"block_tokens", "sink_tokens", "residual_tokens", "page_tokens", "rotate", "rotate_seed",
-             "protect_first", "skip_layers", "obs_window", "attention_impl"}
+             "protect_first", "retrieval_heads", "retrieval_scheme", "retrieval_keys_only",
+             "skip_layers", "obs_window", "attention_impl"}
     eviction = {"eviction", "retention", "eviction_gamma", "eviction_sinks", "recent_window",
                 "eviction_layer_cap"}
     assert set(LowBitKVConfig.model_fields) == params | cache | eviction
@@ -99,7 +100,7 @@ def test_summary_states_effective_bits():
     cfg = LowBitKVConfig.parse({"sink_tokens": 4, "skip_layers": [0]})
     line = cfg.summary("vidkv", cfg.scheme("vidkv"), head_dim=64, num_kv_heads=3, num_layers=30,
                        block_size=128)
-    eff = get_scheme("vidkv").effective_bits(64)
+    eff = get_scheme("vidkv").effective_bits(64, model_kv_heads=29 * 3)  # layer 0 in bf16
     assert f"groups {eff:.3f}" in line and "with sink area" in line and "over all 30 layers" in line
 
 
@@ -197,14 +198,14 @@ def _fake_vllm_config(user_block_size: bool = True, **model_kw):
     model.update(model_kw)
     return SimpleNamespace(
         model_config=SimpleNamespace(**model), parallel_config=None, speculative_config=None,
-        additional_config={},
+        additional_config={"lowbit_kv": {"retrieval_heads": 0}},  # a fake model: nothing to measure
         cache_config=SimpleNamespace(cache_dtype="vidkv", kv_cache_dtype_skip_layers=[],
                                      block_size=128, user_specified_block_size=user_block_size))
 
 
-@pytest.mark.parametrize("user_block_size,expected", [(True, 128), (False, 1024)])
+@pytest.mark.parametrize("user_block_size,expected", [(True, 128), (False, 2048)])
 def test_block_size_is_the_schemes_page_unless_the_user_sets_one(model_dir, user_block_size, expected):
-    """vidkv's pages hold 1024 tokens (one sink area per 1024 tokens) unless --block-size
+    """vidkv's pages hold 2048 tokens (one sink area per 2048 tokens) unless --block-size
     says otherwise (vLLM's CPU platform would pick 128)."""
     from vllm.platforms.cpu import CpuPlatform
 
@@ -212,7 +213,7 @@ def test_block_size_is_the_schemes_page_unless_the_user_sets_one(model_dir, user
 
     cfg = _fake_vllm_config(user_block_size)
     check_vllm_config(cfg, CpuPlatform)
-    assert get_scheme("vidkv").page_size == 1024
+    assert get_scheme("vidkv").page_size == 2048
     assert cfg.cache_config.block_size == expected
 
 
@@ -250,7 +251,7 @@ def test_allocator_capacity_scales_with_bits(model_dir, lowbit, rvq_codebook_fil
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vllm_lowbit_kv.vllm.backend import LowBitKVBackend
-    from vllm_lowbit_kv.vllm.resolve import page_layout
+    from vllm_lowbit_kv.vllm.resolve import SPEC_LAYER_ATTR
 
     def tokens(dtype, lb):
         cfg = _vllm_config(model_dir, dtype, lb)
@@ -262,6 +263,7 @@ def test_allocator_capacity_scales_with_bits(model_dir, lowbit, rvq_codebook_fil
                 bf16 = dtype == "auto" or str(i) in skip
                 s = FullAttentionSpec(block_size=cfg.cache_config.block_size, num_kv_heads=KV_HEADS,
                                       head_size=HEAD_DIM, dtype=torch.bfloat16 if bf16 else torch.uint8)
+                object.__setattr__(s, SPEC_LAYER_ATTR, i)  # as our get_kv_cache_spec patch does
                 specs[f"model.layers.{i}.self_attn.attn"] = s if bf16 else LowBitKVBackend.customize_spec(s)
             kc = get_kv_cache_configs(cfg, [specs], [2**30])[0]
         return kc.num_blocks * cfg.cache_config.block_size
@@ -274,9 +276,12 @@ def test_allocator_capacity_scales_with_bits(model_dir, lowbit, rvq_codebook_fil
         if SCHEMES[name].key.accepts("codebook"):
             lb["codebook"] = str(rvq_codebook_file(name))
         got = tokens(name, lb or None)
-        scheme = LowBitKVConfig.parse(lb).scheme(name)
-        page_bits = page_layout(scheme, HEAD_DIM, KV_HEADS, 128, torch.bfloat16).bits_per_element
-        bits = (page_bits * (LAYERS - n_skip) + 16 * n_skip) / LAYERS
+        cfg = LowBitKVConfig.parse(lb)
+        scheme = cfg.scheme(name)
+        # every page byte over all layers (skip_layers in bf16, retrieval heads included)
+        bits = cfg.bits_per_element(scheme, head_dim=HEAD_DIM, num_kv_heads=KV_HEADS,
+                                    num_layers=LAYERS, block_size=128)["overall"]
         assert got >= 0.9 * (16 / bits) * bf16, (name, got, bf16, bits)
         if lowbit is None:
-            assert got >= 0.9 * (16 / scheme.effective_bits(HEAD_DIM)) * bf16, name
+            assert got >= 0.9 * (16 / scheme.effective_bits(
+                HEAD_DIM, model_kv_heads=LAYERS * KV_HEADS)) * bf16, name

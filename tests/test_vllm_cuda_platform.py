@@ -66,7 +66,8 @@ def _config(dtype, lowbit=None, heads=HEADS, platform_device="cuda"):
         get_total_num_kv_heads=lambda: KV_HEADS, get_num_attention_heads=lambda pc: heads)
     return SimpleNamespace(
         model_config=model, parallel_config=None, speculative_config=None,
-        additional_config={"lowbit_kv": lowbit or {}},
+        # retrieval heads are refused off the CPU (tested apart): the GPU kernels alone here
+        additional_config={"lowbit_kv": {"retrieval_heads": 0, **(lowbit or {})}},
         device_config=SimpleNamespace(device_type=platform_device),
         cache_config=SimpleNamespace(cache_dtype=dtype, kv_cache_dtype_skip_layers=[],
                                      block_size=None, user_specified_block_size=False))
@@ -108,6 +109,8 @@ def test_cuda_platform_serves_vidkv_with_the_gpu_kernels(gpu, impl):
     ("vidkv", {"attention_impl": "cpp"}, HEADS,
      r"attention_impl 'cpp' cannot run here: the C\+\+ kernel runs on the CPU, not cuda"),
     ("vidkv", {"skip_layers": [0]}, HEADS, r"skip_layers \[0\] off the CPU"),
+    ("vidkv", {"retrieval_heads": 6}, HEADS, r"retrieval_heads 6 off the CPU: .*set "
+     r"retrieval_heads 0"),
 ])
 def test_cuda_platform_refuses_what_the_gpu_kernels_cannot_read(gpu, dtype, lowbit, heads, reason):
     with pytest.raises(ValueError, match=f"--kv-cache-dtype {dtype} cannot serve smollm2: "

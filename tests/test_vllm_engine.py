@@ -35,7 +35,8 @@ def test_engine_dtypes_and_bits(fake_model):
         assert VllmEngine(fake_model, name).effective_bits() == bits
     for name in ("kivi2", "vidkv"):
         eng = VllmEngine(fake_model, name)
-        assert eng.effective_bits() == pytest.approx(get_scheme(name).effective_bits(64))
+        assert eng.effective_bits() == pytest.approx(get_scheme(name).effective_bits(
+            64, model_kv_heads=30 * 3))
         assert eng.server is None  # lazy: nothing starts until the first request
     eng = VllmEngine(fake_model, "kivi2", block_tokens=128)
     assert eng.overrides == {"block_tokens": 128}

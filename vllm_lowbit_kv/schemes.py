@@ -227,11 +227,10 @@ class KVScheme:
                     f"a scheme without retrieval heads, one of "
                     f"{sorted(n for n, s in SCHEMES.items() if not s.retrieval_heads)}",
                     self.retrieval_scheme)
-            require(not self.uses_relevance and not any(
-                c.uses_relevance or hasattr(c, "check_model")
-                for c in self.retrieval_codecs(head_dim)), "retrieval_heads",
-                "0 with STP (protect > 0) or learned (RVQ) codecs: not supported together",
-                self.retrieval_heads)
+            require(not any(hasattr(c, "check_model")
+                            for c in (*self.codecs(head_dim), *self.retrieval_codecs(head_dim))),
+                    "retrieval_heads", "0 with learned (RVQ) codecs: not supported together",
+                    self.retrieval_heads)
 
 
 SCHEMES: dict[str, KVScheme] = {}

@@ -352,11 +352,13 @@ class HeadSplitLayer(DynamicLayer):
     the way out; the vLLM pages hold the same parts (``paged.HeadSplitLayout``)."""
 
     is_croppable = False
-    wants_queries = False
 
     def __init__(self, parts: list[LowBitLayer], heads: list[tuple[int, ...]]):
         super().__init__()
         self.parts, self.heads = parts, [tuple(h) for h in heads]
+        #: STP parts score relevance with their own query heads
+        self.wants_queries = any(part.wants_queries for part in parts)
+        self.obs_window = parts[0].obs_window
         order = torch.tensor([h for hs in self.heads for h in hs])
         self._index = [torch.tensor(h) for h in self.heads]
         self._inverse = torch.argsort(order)  # concatenated parts -> head order
@@ -370,6 +372,14 @@ class HeadSplitLayer(DynamicLayer):
         inv = self._inverse.to(key_states.device)
         return (torch.cat([k for k, _ in outs], dim=1)[:, inv],
                 torch.cat([v for _, v in outs], dim=1)[:, inv])
+
+    def record_queries(self, q: torch.Tensor, first_pos: int, scale: float) -> None:
+        """q [B, Hq, S, D]: each part records the query heads of its KV heads (GQA)."""
+        group = q.shape[1] // sum(len(h) for h in self.heads)
+        for part, idx in zip(self.parts, self._index):
+            if part.wants_queries:
+                q_heads = (idx[:, None] * group + torch.arange(group)).flatten()
+                part.record_queries(q[:, q_heads.to(q.device)], first_pos, scale)
 
     def get_seq_length(self) -> int:
         return self.parts[0].get_seq_length()

@@ -58,11 +58,13 @@ def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query:
 def forward_split_layer(wplan: WritePlan, rplan: ReadPlan, split: HeadSplitLayout,
                         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         pages: torch.Tensor, staging: Staging, scale: float, out: torch.Tensor,
-                        packed_attention: list | None = None) -> None:
+                        obs_window: int | None = None, packed_attention: list | None = None
+                        ) -> None:
     """:func:`forward_layer` for a layer whose KV heads are split between page formats
     (retrieval heads): each part runs as a layer of its own over its KV heads, their query
-    heads (GQA) and its bytes of the page; part i stages its heads in staging heads
-    ``[sum of the earlier parts' H, + H_i)``. ``packed_attention[i]`` reads part i."""
+    heads (GQA) and its bytes of the page; part i stages its KV heads in staging heads
+    ``[sum of the earlier parts' H, + H_i)`` (and its query heads likewise, for STP).
+    ``packed_attention[i]`` reads part i."""
     n = rplan.q_start[-1]
     group = query.shape[1] // split.H
     lo = 0
@@ -71,10 +73,12 @@ def forward_split_layer(wplan: WritePlan, rplan: ReadPlan, split: HeadSplitLayou
         kv = torch.tensor(heads, device=query.device)
         q_heads = (kv[:, None] * group + torch.arange(group, device=query.device)).flatten()
         part_out = torch.empty(n, q_heads.numel(), split.D, dtype=out.dtype, device=out.device)
-        part_staging = Staging(staging.k[:, :, lo:lo + part.H], staging.v[:, :, lo:lo + part.H])
+        part_staging = Staging(staging.k[:, :, lo:lo + part.H], staging.v[:, :, lo:lo + part.H],
+                               None if staging.q is None else
+                               staging.q[:, :, lo * group:(lo + part.H) * group])
         forward_layer(wplan, rplan, part, query.index_select(1, q_heads), key.index_select(1, kv),
                       value.index_select(1, kv), part_pages, part_staging, scale, part_out,
-                      None, None if packed_attention is None else packed_attention[i])
+                      obs_window, None if packed_attention is None else packed_attention[i])
         out[:n, q_heads] = part_out
         lo += part.H
 

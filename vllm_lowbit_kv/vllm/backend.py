@@ -371,7 +371,7 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
         out = output[:n].view(n, self.num_heads, self.head_size)
         if isinstance(layout, HeadSplitLayout):
             forward_split_layer(attn_metadata.write, attn_metadata.read, layout, query, key, value,
-                                kv_cache, self.staging, self.scale, out,
+                                kv_cache, self.staging, self.scale, out, self.obs_window,
                                 [self.packed_attention, self.retrieval_attention])
             return output
         forward_layer(attn_metadata.write, attn_metadata.read_for(layer.layer_name, layout), layout,

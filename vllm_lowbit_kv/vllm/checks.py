@@ -103,10 +103,10 @@ def check_vllm_config(vllm_config: "VllmConfig", platform: "type[Platform]") -> 
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding: not supported")
     if scheme.retrieval_heads and platform._enum != PlatformEnum.CPU:
-        reasons.append(f"retrieval_heads {scheme.retrieval_heads} off the CPU: their layers' "
-                       f"pages are larger, which vLLM's {platform.__name__} pads to one page "
-                       "size (set retrieval_heads 0)")
-    if scheme.retrieval_heads and vllm_config.parallel_config.tensor_parallel_size > 1:
+        reasons.append(f"retrieval_heads {scheme.retrieval_heads} off the CPU: pages whose "
+                       "heads have two formats are checked with the CPU kernels only so far "
+                       "(set retrieval_heads 0)")
+    if scheme.retrieval_heads and getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) > 1:
         reasons.append(f"retrieval_heads {scheme.retrieval_heads} with tensor parallelism: the "
                        "heads are chosen over the model's KV heads, a shard holds some of them "
                        "(set retrieval_heads 0)")
