@@ -55,3 +55,27 @@ def test_bad_head_dim_and_rotate_values_are_refused():
     with pytest.raises(ValueError, match=r"rotate must be one of \['none', 'hadamard'\], got 'dct'"):
         get_scheme("kivi2").with_params(rotate="dct")
     assert get_scheme("kivi2").with_params(rotate="hadamard").rotation(64, 2) is not None
+
+
+def test_signs_do_not_depend_on_the_default_device():
+    """vLLM builds its layers under ``with torch.device("cuda")``: the signs are drawn on
+    the CPU all the same (else every device would rotate by other signs, or the draw
+    fail). ``meta`` stands in for the GPU here."""
+    plain = HadamardRotation(64, 3, 7)
+    with torch.device("meta"):
+        rot = HadamardRotation(64, 3, 7)
+        m = rot.matrix()
+    assert rot.signs.device.type == "cpu" and torch.equal(rot.signs, plain.signs)
+    assert torch.equal(m, plain.matrix())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rotation_on_cuda_equals_cpu():
+    plain = HadamardRotation(64, 5, 1)
+    with torch.device("cuda"):
+        rot = HadamardRotation(64, 5, 1)
+    assert torch.equal(rot.signs, plain.signs)
+    x = torch.randn(9, 3, 64)
+    torch.testing.assert_close(rot.rotate(x.cuda()).cpu(), plain.rotate(x), atol=1e-6, rtol=0)
+    torch.testing.assert_close(rot.unrotate(x.cuda()).cpu(), plain.unrotate(x), atol=1e-6, rtol=0)

@@ -415,6 +415,55 @@ def test_attention_reads_and_writes_only_its_tensors(scheme):
         _check_attention(*case, scale=0.125, splits=None)
 
 
+def _launched_tensors(monkeypatch, call):
+    """Run ``call`` with every kernel launch recorded instead of run: [(kernel, tensors)]."""
+    from vllm_lowbit_kv.ops.triton import _jit
+
+    launches = []
+    monkeypatch.setattr(_jit, "launch_hook", lambda kernel, grid, args, kwargs: launches.append(
+        (kernel, [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])))
+    call()
+    assert launches
+    return launches
+
+
+@pytest.mark.parametrize("scheme", ["vidkv", "kivi2"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_attention_moves_cpu_plans_to_the_query_device(monkeypatch, scheme, splits):
+    """paged.forward keeps its plans (q_start, group table, group counts, skips) on the
+    CPU: the launcher must hand the kernel copies on the query's device (on the H200 a
+    CPU group table failed the launch). The query and pages live on ``meta`` here, a
+    device other than the plans', so nothing runs and every pointer's device shows."""
+    layout, pages, table, ng, q_start, query, skip = _attention_case(
+        scheme, 16, 2, 4, 32, [3, 0, 2], [2, 1, 1], [3, 0, 0], 7, torch.float32)
+    meta = torch.device("meta")
+    launches = _launched_tensors(monkeypatch, lambda: triton_ops.attention(
+        query.to(meta), q_start, pages.to(meta), layout, table, ng, skip, 0.125,
+        num_splits=splits))
+    for kernel, tensors in launches:
+        assert [t.device for t in tensors] == [meta] * len(tensors), kernel
+
+
+def test_store_moves_cpu_group_ids_to_the_kv_device(monkeypatch):
+    """The store kernel likewise: CPU group ids and relevance go to the K/V device."""
+    layout = _layout("vidkv_stp", 32, 2, 64)
+    k, v = _kv(3, 32, 2, torch.float32, seed=2)
+    meta = torch.device("meta")
+    launches = _launched_tensors(monkeypatch, lambda: triton_ops.store(
+        k.to(meta), v.to(meta), torch.tensor([4, 0, 2]),
+        torch.zeros(layout.page_shape(3), dtype=torch.uint8, device=meta), layout,
+        torch.rand(3, 32, 2), validate=False))
+    for kernel, tensors in launches:
+        assert [t.device for t in tensors] == [meta] * len(tensors), kernel
+
+
+def test_attention_refuses_pages_on_another_device():
+    layout, pages, table, ng, q_start, query, skip = _attention_case(
+        "kivi2", 16, 2, 4, 32, [2], [1], [0], 7, torch.float32)
+    with pytest.raises(ValueError, match="pages"):
+        triton_ops.attention(query.to("meta"), q_start, pages, layout, table, ng, skip, 0.125)
+
+
 def test_row_tiles_cover_every_row_once():
     q_start = torch.tensor([0, 3, 3, 10, 11])
     req, row0, bound = _row_tiles(q_start, 11, 4)

@@ -53,10 +53,12 @@ class HadamardRotation:
     ``unrotate(y) = y Mᵀ``; ``s`` are random signs from ``(seed, layer)``."""
 
     def __init__(self, head_dim: int, layer: int = 0, seed: int = 0):
-        walsh_hadamard(torch.zeros(1, head_dim))  # validates head_dim
-        gen = torch.Generator().manual_seed(1_000_003 * int(seed) + int(layer))
+        walsh_hadamard(torch.zeros(1, head_dim, device="cpu"))  # validates head_dim
+        # drawn on the CPU whatever the default device (vLLM builds layers under
+        # ``with torch.device("cuda")``): the same signs on every device, moved per call
+        gen = torch.Generator(device="cpu").manual_seed(1_000_003 * int(seed) + int(layer))
         self.head_dim = head_dim
-        self.signs = torch.randint(0, 2, (head_dim,), generator=gen).float() * 2 - 1
+        self.signs = torch.randint(0, 2, (head_dim,), generator=gen, device="cpu").float() * 2 - 1
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x M`` over the last dimension (x * s, then the transform)."""
@@ -68,4 +70,4 @@ class HadamardRotation:
 
     def matrix(self) -> torch.Tensor:
         """The dense ``M`` [d, d] (float32), for tests and kernels that want it."""
-        return self.rotate(torch.eye(self.head_dim))
+        return self.rotate(torch.eye(self.head_dim, device=self.signs.device))

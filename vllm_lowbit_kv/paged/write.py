@@ -51,6 +51,8 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
 
     Runs before :func:`stage_tokens` of the same step: completed groups read their
     earlier tokens from staging slots that this very step may hand to a new group.
+    Groups with sink rows are encoded on the CPU whatever the device (see below), the
+    others on the tensors' device.
     """
     E = plan.enc_gids.numel()
     if rows is None:
@@ -70,19 +72,50 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
     if relevance is not None and plan.enc_visual is not None:
         relevance = rank_protected(relevance, plan.enc_visual.to(relevance.device),
                                    layout.protect_first)
-    if plan.enc_sink.numel() and bool((plan.enc_sink > 0).any()):
-        relevance = None if relevance is None else relevance.clone()
-        for e in torch.nonzero(plan.enc_sink > 0).flatten().tolist():
-            s = int(plan.enc_sink[e])
-            mask_sink_rows(tk[e], s)
-            mask_sink_rows(tv[e], s)
-            if relevance is not None:
-                relevance[e, :s] = SINK_RELEVANCE
+    sinks, gids = plan.enc_sink, plan.enc_gids
     if rows is not None:
         tk, tv = tk[rows], tv[rows]
         relevance = None if relevance is None else relevance[rows]
-    gids = plan.enc_gids if rows is None else plan.enc_gids[rows]
-    layout.write_states(pages, gids, layout.encode(tk, tv, relevance))
+        sinks, gids = sinks[rows.to(sinks.device)], gids[rows.to(gids.device)]
+    with_sinks = torch.nonzero(sinks > 0).flatten().cpu()  # plans stay on the CPU
+    if with_sinks.numel() == 0:
+        layout.write_states(pages, gids, layout.encode(tk, tv, relevance))
+        return
+    # Groups with sink rows are encoded on the CPU, whatever the device: their sink rows
+    # sit at the mean of the other rows, exactly on the threshold of the 1-bit "mean"
+    # split (VidKV keys), where float rounding (which differs between devices) picks
+    # their bit, and with it the levels of every other token of the channel. Their
+    # inputs are exact copies of the tokens, so every device stores the bytes the CPU
+    # does. Only a sequence's first group has sink rows.
+    rest = torch.ones(sinks.numel(), dtype=torch.bool, device="cpu")
+    rest[with_sinks] = False
+    rest = torch.nonzero(rest).flatten()
+    host = lambda x: None if x is None else x[with_sinks.to(x.device)].cpu()  # noqa: E731
+    sk, sv, srel = _mask_sinks(host(tk), host(tv), host(relevance),
+                               sinks[with_sinks.to(sinks.device)].tolist())
+    states = layout.encode(sk, sv, srel).to(pages.device)
+    if rest.numel():
+        pick = lambda x: None if x is None else x[rest.to(x.device)]  # noqa: E731
+        states = torch.cat([states, layout.encode(pick(tk), pick(tv), pick(relevance))])
+        order = torch.cat([with_sinks, rest])
+        gids = gids[order.to(gids.device)]
+    else:
+        gids = gids[with_sinks.to(gids.device)]
+    layout.write_states(pages, gids, states)
+
+
+def _mask_sinks(tk: torch.Tensor, tv: torch.Tensor, relevance: torch.Tensor | None,
+                sinks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Groups [G, T, H, D] (+ relevance [G, T, H]) whose first ``sinks[g]`` rows are sink
+    tokens: those rows at the mean of the group's other rows (:func:`mask_sink_rows`, in
+    place) and at :data:`SINK_RELEVANCE` (a copy)."""
+    relevance = None if relevance is None else relevance.clone()
+    for g, s in enumerate(sinks):
+        mask_sink_rows(tk[g], s)
+        mask_sink_rows(tv[g], s)
+        if relevance is not None:
+            relevance[g, :s] = SINK_RELEVANCE
+    return tk, tv, relevance
 
 
 def write_sink_tokens(plan: WritePlan, layout: PagedLayout, key: torch.Tensor,

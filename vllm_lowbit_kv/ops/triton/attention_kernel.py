@@ -360,7 +360,12 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
         return out, lse
     R, max_groups = q_start.numel() - 1, group_table.shape[1]
     flat = fmt.flat_pages(pages)
+    # the plans may stay on the CPU (paged.forward keeps them there): everything the
+    # kernel reads goes to the query's device (a no-op for tensors already there)
+    require(flat.device == dev, "pages", f"on the query's device ({dev})", str(flat.device))
     q_start = q_start.to(dev, torch.int64)
+    group_table = group_table.to(dev)
+    num_groups, skip_tokens = num_groups.to(dev), skip_tokens.to(dev)
     rows_per_tile = 1 if n <= R else max(1, 64 // G)
     tile_req, tile_row, n_tiles = _row_tiles(q_start, n, rows_per_tile)
     splits = num_splits or _default_splits(dev, n_tiles * H, max_groups)
@@ -379,7 +384,7 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
         _attention_kernel, (n_tiles, H, splits),
         query, *query.stride(), tile_req, tile_row, q_start,
         flat, flat.stride(0), flat.stride(1), group_table, *group_table.stride(),
-        num_groups.to(dev), skip_tokens.to(dev), winv,
+        num_groups, skip_tokens, winv,
         o, s_os, Hq * D, D, ls, s_ls, Hq,
         float(scale) * LOG2E, per_split,
         G=G, BR=rows_per_tile, BLOCK_M=max(16, triton.next_power_of_2(rows_per_tile * G)),

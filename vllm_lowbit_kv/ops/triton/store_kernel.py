@@ -367,6 +367,10 @@ def quantize_and_store(k: torch.Tensor, v: torch.Tensor, gids: torch.Tensor, pag
     flat = fmt.flat_pages(pages)
     if E == 0:
         return
+    # group ids and scores may come from plans kept on the CPU: to the K/V device
+    require(flat.device == k.device, "pages", f"on the device of k ({k.device})", str(flat.device))
+    gids = gids.to(k.device)
+    relevance = None if relevance is None else relevance.to(k.device)
     if validate:
         for x in (k, v):
             if not bool((x.float().abs() <= FP16_MAX).all()):
