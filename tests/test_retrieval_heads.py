@@ -112,7 +112,9 @@ def test_retrieval_heads_refused_with_learned_codecs():
 
 
 @pytest.mark.parametrize("parallel,lowbit,reason", [
-    (dict(tensor_parallel_size=3), {}, r"retrieval_heads 6 with tensor parallelism"),
+    (dict(tensor_parallel_size=3), {}, r"retrieval_heads 6 with tensor/pipeline parallelism"),
+    (dict(tensor_parallel_size=1, pipeline_parallel_size=2), {},
+     r"retrieval_heads 6 with tensor/pipeline parallelism"),
     (dict(tensor_parallel_size=1, pipeline_parallel_size=1),
      {"eviction": "uniform", "retention": 0.5}, r"eviction with retrieval_heads 6"),
 ])

@@ -106,10 +106,12 @@ def check_vllm_config(vllm_config: "VllmConfig", platform: "type[Platform]") -> 
         reasons.append(f"retrieval_heads {scheme.retrieval_heads} off the CPU: pages whose "
                        "heads have two formats are checked with the CPU kernels only so far "
                        "(set retrieval_heads 0)")
-    if scheme.retrieval_heads and getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) > 1:
-        reasons.append(f"retrieval_heads {scheme.retrieval_heads} with tensor parallelism: the "
-                       "heads are chosen over the model's KV heads, a shard holds some of them "
-                       "(set retrieval_heads 0)")
+    par = vllm_config.parallel_config
+    if scheme.retrieval_heads and (getattr(par, "tensor_parallel_size", 1) > 1
+                                   or getattr(par, "pipeline_parallel_size", 1) > 1):
+        reasons.append(f"retrieval_heads {scheme.retrieval_heads} with tensor/pipeline "
+                       "parallelism: the heads are chosen over the whole model, a rank holds "
+                       "some of them (not supported yet; set retrieval_heads 0)")
     if not cache_config.user_specified_block_size:
         # the scheme's page (the CPU platform would pick 128): one sink area per page
         cache_config.block_size = scheme.page_size
