@@ -27,7 +27,9 @@ request's prefill (:mod:`vllm_lowbit_kv.vllm.eviction`): shorthands for the
 (``--kv-eviction-gamma G`` sets ``eviction_gamma``). With eviction on, prefix
 caching is turned off unless a prefix-caching flag is given (eviction rewrites
 a request's blocks, so they cannot be shared; an explicit
-``--enable-prefix-caching`` is refused at start-up with the reason).
+``--enable-prefix-caching`` is refused at start-up with the reason), and so are
+the scheme's retrieval heads unless ``retrieval_heads`` is given (compaction
+re-encodes whole layers with one codec pair; a non-zero value is refused).
 
 Defaults (each applies only where neither a flag nor the environment, nor a
 ``--config`` YAML file, says otherwise; :func:`defaults`):
@@ -118,6 +120,9 @@ def _merge_lowbit_config(argv: list[str]) -> list[str]:
         LowBitKVConfig.parse(fields)  # fail here, before vLLM starts, with the field named
     except LowBitKVConfigError as e:
         raise SystemExit(f"python -m serving: {e}")
+    if fields.get("eviction"):
+        # eviction compacts whole layers with one codec pair: no retrieval heads unless asked
+        fields.setdefault("retrieval_heads", 0)
     additional[ADDITIONAL_CONFIG_KEY] = fields
     if fields.get("eviction") and not any(a.startswith(("--enable-prefix-caching",
                                                         "--no-enable-prefix-caching")) for a in argv):

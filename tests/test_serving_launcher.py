@@ -290,3 +290,20 @@ def test_eviction_counters_reach_the_api_server(servers):
     # the gauges (refreshed every LOWBIT_KV_STATS_REFRESH_S, and by the route's call above)
     assert _evicted_metric(s.port) == sum(dropped)
     assert "freed" in s.log.read_text()
+
+
+def test_eviction_turns_retrieval_heads_off_unless_asked():
+    """--kv-eviction compacts whole layers with one codec pair: the launcher sets
+    retrieval_heads 0 (vidkv's default is 6) unless the user gives a value."""
+    pytest.importorskip("vllm")
+    from serving.__main__ import _merge_lowbit_config
+
+    def lowbit(argv):
+        out = _merge_lowbit_config(argv)
+        return json.loads(out[out.index("--additional-config") + 1])["lowbit_kv"]
+
+    assert lowbit(["--kv-eviction", "flashcache", "--kv-retention", "0.2"])["retrieval_heads"] == 0
+    asked = lowbit(["--kv-eviction", "flashcache", "--kv-retention", "0.2", "--additional-config",
+                    '{"lowbit_kv": {"retrieval_heads": 6}}'])
+    assert asked["retrieval_heads"] == 6  # kept: the server refuses it with the reason
+    assert "--additional-config" not in _merge_lowbit_config(["--kv-cache-dtype", "vidkv"])
