@@ -50,7 +50,27 @@ def protected_visual(visual: torch.Tensor, rows: int, first: str = "visual",
     return torch.minimum(n_visual, (rows - text.sum(dim=1)).clamp(min=0))
 
 
-class PagedLayout:
+class PageBits:
+    """Honest size figures of a layer's pages (``page_bytes`` per ``block_size`` tokens of
+    ``H`` KV heads of ``D`` channels)."""
+
+    page_bytes: int
+    block_size: int
+    H: int
+    D: int
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Per layer, K and V together, sink area included."""
+        return self.page_bytes / self.block_size
+
+    @property
+    def bits_per_element(self) -> float:
+        """Every byte of a page over the K and V elements of its tokens."""
+        return self.page_bytes * 8 / (self.block_size * self.H * self.D * 2)
+
+
+class PagedLayout(PageBits):
     """A layer's pages: their :class:`~vllm_lowbit_kv.ops.PageFormat` (the group states, the
     one description every kernel reads), the sink area in the model dtype, the rotation of
     head vectors into codec space, and vLLM's block geometry."""
@@ -96,16 +116,6 @@ class PagedLayout:
     def page_bytes(self) -> int:
         """Bytes of one block of one layer (all heads: sink area and groups)."""
         return self.H * self.head_bytes
-
-    @property
-    def bytes_per_token(self) -> float:
-        """Per layer, K and V together, sink area included."""
-        return self.page_bytes / self.block_size
-
-    @property
-    def bits_per_element(self) -> float:
-        """Every byte of a page over the K and V elements of its tokens."""
-        return self.page_bytes * 8 / (self.block_size * self.H * self.D * 2)
 
     def page_shape(self, num_blocks: int) -> tuple[int, int, int]:
         return (num_blocks, self.H, self.head_bytes)
@@ -176,7 +186,7 @@ def mask_sink_rows(group: torch.Tensor, sinks: int, dim: int = 0) -> torch.Tenso
     return group
 
 
-class HeadSplitLayout:
+class HeadSplitLayout(PageBits):
     """A layer whose KV heads are coded by different page formats: its retrieval heads
     (:mod:`vllm_lowbit_kv.retrieval_heads`) by a higher-precision codec pair, the others by
     the scheme's. Each part is a whole :class:`PagedLayout` over its heads; a page of the
@@ -207,14 +217,6 @@ class HeadSplitLayout:
     @property
     def page_bytes(self) -> int:
         return self._offsets[-1]
-
-    @property
-    def bytes_per_token(self) -> float:
-        return self.page_bytes / self.block_size
-
-    @property
-    def bits_per_element(self) -> float:
-        return self.page_bytes * 8 / (self.block_size * self.H * self.D * 2)
 
     def page_shape(self, num_blocks: int) -> tuple[int, int]:
         return (num_blocks, self.page_bytes)
