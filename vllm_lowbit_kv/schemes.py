@@ -275,6 +275,15 @@ register(KVScheme("vidkv", "VidKV: K 1.4-bit (range-selected 2/1-bit, FFT), V te
                   VIDKV_TUNED_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), sink_tokens=4,
                   residual_tokens=64, page_tokens=2048, retrieval_heads=6,
                   retrieval_keys_only=True))
+# vidkv_retrieval: the same VidKV codec with its retrieval heads kept at 4-bit KIVI keys
+# AND values (at 4K-token contexts the values of those heads matter too: passkey 5/8
+# against 2/8 with keys only, on the transformers engine), paid for by dropping the
+# residual window: pages 2.08 bits, 2.20 at 8K with staging.
+register(KVScheme("vidkv_retrieval", "VidKV: K 1.4-bit (range-selected 2/1-bit, FFT), V ternary "
+                                     "per-channel; 6 retrieval heads with 4-bit keys and values; "
+                                     "4 exact sink tokens, no residual window",
+                  VIDKV_TUNED_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), sink_tokens=4,
+                  residual_tokens=0, page_tokens=2048, retrieval_heads=6))
 register(KVScheme("vidkv_paper", "VidKV as in the paper: K 1.5-bit FFT, V ternary per-channel, "
                                  "full-precision residual of the last 128 tokens, no sinks",
                   VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), residual_tokens=128))
