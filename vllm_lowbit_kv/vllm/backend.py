@@ -39,8 +39,9 @@ from ..paged import (HeadSplitLayout, PagedLayout, ReadPlan, Staging, StagingAll
                      protected_visual)
 from . import BACKEND_NAME, is_lowbit_dtype
 from .eviction import compact_ordered, compacted_rows, forget_requests, layer_read_plan
-from .resolve import (SPEC_LAYER_ATTR, device_type, layer_layout, model_dtype, page_layout, resolve, resolve_config,
-                      resolve_scheme, staging_bytes, staging_slots)
+from .resolve import (SPEC_LAYER_ATTR, device_type, layer_layout, model_dtype, page_layout,
+                      resolve, resolve_config, resolve_scheme, retrieval_layers, staging_bytes,
+                      staging_slots)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -350,6 +351,8 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
             self._layout = layout(n_groups * self.T)
             assert self._layout.page_bytes == kv_cache[0].numel(), (kv_cache.shape,
                                                                     self._layout.page_bytes)
+            if len(retrieval_layers().get(layer, ())) == self.num_kv_heads:
+                self.packed_attention = self.retrieval_attention  # every head retrieves
         return self._layout
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -369,7 +372,7 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
         key = key.view(n, self.num_kv_heads, self.head_size)
         value = value.view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
-        if isinstance(layout, HeadSplitLayout):
+        if isinstance(layout, HeadSplitLayout):  # never compacted: eviction is refused
             forward_split_layer(attn_metadata.write, attn_metadata.read, layout, query, key, value,
                                 kv_cache, self.staging, self.scale, out, self.obs_window,
                                 [self.packed_attention, self.retrieval_attention])
