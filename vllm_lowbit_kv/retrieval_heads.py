@@ -152,6 +152,28 @@ def heads_by_layer(heads: Sequence[tuple[int, int]]) -> dict[int, tuple[int, ...
     return {k: tuple(sorted(v)) for k, v in sorted(out.items())}
 
 
+def model_retrieval_heads(model_dir: str | Path, n: int, skip_layers: Sequence[int] = (),
+                          log=None) -> dict[int, tuple[int, ...]]:
+    """{layer: retrieval KV heads}: the ``n`` top scores of the model (:func:`model_scores`),
+    none in ``skip_layers`` (layers kept in the model dtype)."""
+    scores = model_scores(model_dir, log=log).clone()
+    scores[sorted(skip_layers)] = float("-inf")
+    return heads_by_layer(top_heads(scores, n))
+
+
+def layer_parts(retrieval: Sequence[int], num_kv_heads: int) -> list[tuple[bool, tuple[int, ...]]]:
+    """A layer's KV heads as parts of one format each: ``(False, the other heads)`` then
+    ``(True, its retrieval heads)``, empty parts left out."""
+    rest = tuple(h for h in range(num_kv_heads) if h not in retrieval)
+    return [(is_retrieval, heads) for is_retrieval, heads in ((False, rest), (True, tuple(retrieval)))
+            if heads]
+
+
+def query_heads(kv_heads: torch.Tensor, group: int) -> torch.Tensor:
+    """The query heads (GQA: ``group`` per KV head, consecutive) of ``kv_heads``."""
+    return (kv_heads[:, None] * group + torch.arange(group, device=kv_heads.device)).flatten()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     from .model import prepare_model
 

@@ -9,6 +9,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..codecs.base import ModelIdentity, require
+from ..retrieval_heads import layer_parts, model_retrieval_heads
 from ..schemes import KVScheme, get_scheme
 from .hooks import RELEVANCE_MODES, RelevanceFn, install_query_hooks, use_compacted_attention
 from .layer import HeadSplitLayer, LowBitLayer, VisualTokens
@@ -93,19 +94,15 @@ class LowBitKVCache(Cache):
         for i in range(n_layers):
             if i in self.skip_layers:
                 layers.append(layer(i, None))
-            elif i in self.retrieval and len(self.retrieval[i]) == kv_heads:  # all retrieve
-                layers.append(layer(i, self.scheme.retrieval_codecs(head_dim, self.block_tokens, layer=i)))
-            elif i in self.retrieval:
-                require(not evictable, "retrieval_heads", "0 with eviction (plans whole layers)",
-                        self.scheme.retrieval_heads)
-                heads = [tuple(h for h in range(kv_heads) if h not in self.retrieval[i]),
-                         self.retrieval[i]]
-                layers.append(HeadSplitLayer(
-                    [layer(i, self.scheme.codecs(head_dim, self.block_tokens, layer=i)),
-                     layer(i, self.scheme.retrieval_codecs(head_dim, self.block_tokens, layer=i))],
-                    heads))
             else:  # codecs built per layer: a codec may keep per-layer state (codebooks)
-                layers.append(layer(i, self.scheme.codecs(head_dim, self.block_tokens, layer=i)))
+                parts = layer_parts(self.retrieval.get(i, ()), kv_heads)
+                built = [layer(i, (self.scheme.retrieval_codecs if retrieval else self.scheme.codecs)(
+                    head_dim, self.block_tokens, layer=i)) for retrieval, _ in parts]
+                if len(parts) > 1:
+                    require(not evictable, "retrieval_heads", "0 with eviction (plans whole layers)",
+                            self.scheme.retrieval_heads)
+                layers.append(built[0] if len(parts) == 1 else
+                              HeadSplitLayer(built, [hs for _, hs in parts]))
         self.records_queries = any(layer.wants_queries for layer in layers)
         if self.records_queries:
             require(model is not None, "model", "given for relevance='attention'", None)
@@ -118,16 +115,14 @@ class LowBitKVCache(Cache):
         the model's folder (skip_layers take none)."""
         if not self.scheme or not self.scheme.retrieval_heads:
             return {}
-        from ..retrieval_heads import heads_by_layer, model_scores, top_heads
         folder = getattr(model_config, "_name_or_path", "") or getattr(
             getattr(model, "config", None), "_name_or_path", "")
         require(bool(folder), "model", "loaded from a folder (its retrieval heads are measured "
                 "there)", folder)
-        scores = model_scores(folder).clone()
-        require(scores.shape[0] == n_layers, "retrieval head scores", f"{n_layers} layers",
-                tuple(scores.shape))
-        scores[sorted(self.skip_layers)] = float("-inf")
-        return heads_by_layer(top_heads(scores, self.scheme.retrieval_heads))
+        heads = model_retrieval_heads(folder, self.scheme.retrieval_heads, self.skip_layers)
+        require(max(heads, default=0) < n_layers, "retrieval heads' layers", f"< {n_layers} "
+                "(measured on another model?)", max(heads, default=0))
+        return heads
 
     def mark_visual(self, mask: torch.Tensor) -> None:
         """Mark which tokens of the next forward are visual (image or video-frame

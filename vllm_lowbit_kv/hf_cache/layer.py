@@ -9,6 +9,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..codecs.base import BlockCodec, require
 from ..paged import SINK_RELEVANCE, attention_mass, mask_sink_rows, rank_protected
+from ..retrieval_heads import query_heads
 from ..rotation import HadamardRotation
 from .hooks import RelevanceFn
 
@@ -378,8 +379,7 @@ class HeadSplitLayer(DynamicLayer):
         group = q.shape[1] // sum(len(h) for h in self.heads)
         for part, idx in zip(self.parts, self._index):
             if part.wants_queries:
-                q_heads = (idx[:, None] * group + torch.arange(group)).flatten()
-                part.record_queries(q[:, q_heads.to(q.device)], first_pos, scale)
+                part.record_queries(q[:, query_heads(idx, group).to(q.device)], first_pos, scale)
 
     def get_seq_length(self) -> int:
         return self.parts[0].get_seq_length()

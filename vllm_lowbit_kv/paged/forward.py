@@ -6,6 +6,7 @@ import torch
 
 from ..codecs.base import require
 from ..ops import merge_attention, packed_attention_reference
+from ..retrieval_heads import query_heads
 from .attention import attention_mass, context_keys, exact_attention
 from .layout import HeadSplitLayout, PagedLayout
 from .plan import ReadPlan, WritePlan
@@ -71,7 +72,7 @@ def forward_split_layer(wplan: WritePlan, rplan: ReadPlan, split: HeadSplitLayou
     for i, (part, heads, part_pages) in enumerate(zip(split.parts, split.heads,
                                                         split.part_pages(pages))):
         kv = torch.tensor(heads, device=query.device)
-        q_heads = (kv[:, None] * group + torch.arange(group, device=query.device)).flatten()
+        q_heads = query_heads(kv, group)
         part_out = torch.empty(n, q_heads.numel(), split.D, dtype=out.dtype, device=out.device)
         part_staging = Staging(staging.k[:, :, lo:lo + part.H], staging.v[:, :, lo:lo + part.H],
                                None if staging.q is None else

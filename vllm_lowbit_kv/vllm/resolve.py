@@ -88,10 +88,9 @@ def retrieval_layers(vllm_config: "VllmConfig | None" = None) -> dict[int, tuple
     if key not in _retrieval:
         import logging
 
-        from ..retrieval_heads import heads_by_layer, model_scores, top_heads
-        scores = model_scores(model, log=logging.getLogger("vllm.lowbit_kv").info).clone()
-        scores[list(cfg.skip_layers)] = float("-inf")
-        _retrieval[key] = heads_by_layer(top_heads(scores, scheme.retrieval_heads))
+        from ..retrieval_heads import model_retrieval_heads
+        _retrieval[key] = model_retrieval_heads(model, scheme.retrieval_heads, cfg.skip_layers,
+                                                log=logging.getLogger("vllm.lowbit_kv").info)
     return _retrieval[key]
 
 
@@ -99,16 +98,13 @@ def layer_layout(scheme: KVScheme, head_size: int, num_kv_heads: int, block_size
                  dtype: torch.dtype, layer: int | None) -> PagedLayout | HeadSplitLayout:
     """The pages of one layer: :func:`page_layout`, or for a layer with retrieval heads a
     :class:`~vllm_lowbit_kv.paged.HeadSplitLayout` (the other heads, then those)."""
+    from ..retrieval_heads import layer_parts
+
     heads = retrieval_layers().get(layer, ()) if layer is not None else ()
-    if not heads:
-        return page_layout(scheme, head_size, num_kv_heads, block_size, dtype, layer)
-    rest = tuple(h for h in range(num_kv_heads) if h not in heads)
-    if not rest:  # every head of the layer retrieves
-        return page_layout(scheme, head_size, num_kv_heads, block_size, dtype, layer, True)
-    return HeadSplitLayout(
-        [page_layout(scheme, head_size, len(rest), block_size, dtype, layer),
-         page_layout(scheme, head_size, len(heads), block_size, dtype, layer, retrieval=True)],
-        [rest, heads])
+    parts = layer_parts(heads, num_kv_heads)
+    layouts = [page_layout(scheme, head_size, len(hs), block_size, dtype, layer, retrieval)
+               for retrieval, hs in parts]
+    return layouts[0] if len(parts) == 1 else HeadSplitLayout(layouts, [hs for _, hs in parts])
 
 
 def model_dtype() -> torch.dtype:
