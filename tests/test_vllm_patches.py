@@ -46,6 +46,8 @@ RECORDED = {
         "(self, scheduler_output: 'SchedulerOutput')", "95e379e122d7fc0c"),
     "vllm.v1.worker.cpu_worker:CPUWorker.determine_available_memory": ("(self)",
                                                                        "d2d6c6c2ce900fb8"),
+    "vllm.model_executor.layers.attention.attention:Attention.get_kv_cache_spec": (
+        "(self, vllm_config: VllmConfig)", "ce19b9e161e255a9"),
     "vllm.v1.serial_utils:run_method": (
         "(obj: Any, method: str | bytes | Callable, args: tuple[Any, ...], "
         "kwargs: dict[str, Any])", "7b7b64d2db5da121"),
@@ -95,6 +97,7 @@ def test_every_patch_point_is_documented():
 def test_every_installed_wrapper_patches_a_recorded_function():
     """What the plugin really wraps (on this CPU build, with the worker hooks of a process
     that selected our backend) is in the record."""
+    from vllm.model_executor.layers.attention.attention import Attention
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -105,6 +108,7 @@ def test_every_installed_wrapper_patches_a_recorded_function():
     register()
     install_worker_hooks(CpuPlatform)
     wrapped = [CpuPlatform.get_attn_backend_cls, CpuPlatform.check_and_update_config,
-               GPUModelRunner._update_states, CPUWorker.determine_available_memory]
+               GPUModelRunner._update_states, CPUWorker.determine_available_memory,
+               Attention.get_kv_cache_spec]
     originals = [getattr(f, "__func__", f).__wrapped__ for f in wrapped]
     assert {f"{f.__module__}:{f.__qualname__}" for f in originals} <= set(RECORDED)
