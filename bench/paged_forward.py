@@ -29,7 +29,9 @@ import torch
 
 from bench import machine
 from vllm_lowbit_kv.ops import select_implementation
-from vllm_lowbit_kv.paged import PagedLayout, Staging, StagingAllocator, forward_layer
+from vllm_lowbit_kv.paged import (HeadSplitLayout, Staging, StagingAllocator, forward_layer,
+                                  forward_split_layer, scheme_layout)
+from vllm_lowbit_kv.retrieval_heads import model_retrieval_heads
 from vllm_lowbit_kv.schemes import KVScheme, get_scheme
 
 ATTENTION = "lowbit_kv_paged_forward"
@@ -52,11 +54,12 @@ class PagedModel:
         T, bs = scheme.block_tokens, scheme.page_size
         self.block_size = bs
         self.block_table = torch.arange(-(-max_tokens // bs))
-        self.layouts = []
-        for layer in range(cfg.num_hidden_layers):
-            kc, vc = scheme.codecs(D, layer=layer)
-            self.layouts.append(PagedLayout(kc, vc, H, bs, scheme.sink_tokens,
-                                            rotation=scheme.rotation(D, layer)))
+        # layers with retrieval heads hold pages of two formats, as in the vLLM backend
+        retrieval = model_retrieval_heads(model.config._name_or_path, scheme.retrieval_heads) \
+            if scheme.retrieval_heads else {}
+        self.layouts = [scheme_layout(scheme, D, H, bs, layer=layer,
+                                      retrieval_heads=retrieval.get(layer, ()))
+                        for layer in range(cfg.num_hidden_layers)]
         self.obs_window = OBS_WINDOW if scheme.uses_relevance else None
         slots = scheme.staged_groups
         self.pages = [torch.zeros(lay.page_shape(len(self.block_table)), dtype=torch.uint8,
@@ -66,7 +69,10 @@ class PagedModel:
                         for _ in self.layouts]
         self.alloc = StagingAllocator(slots, T, scheme.sink_tokens, scheme.residual_tokens // T)
         self.attention_impl, self.packed_attention = select_implementation(
-            self.layouts[0], device, attention_impl, gqa=Hq // H)
+            scheme_layout(scheme, D, H, bs), device, attention_impl, gqa=Hq // H)
+        self.retrieval_attention = select_implementation(
+            scheme_layout(scheme, D, H, bs, retrieval_heads=tuple(range(H))), device,
+            attention_impl, gqa=Hq // H)[1] if scheme.retrieval_heads else None
         self.length = 0
         self._plans = None
         AttentionInterface.register(ATTENTION, self._attention)
@@ -78,8 +84,13 @@ class PagedModel:
         i = module.layer_idx
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
         out = torch.empty_like(q)
-        forward_layer(*self._plans, self.layouts[i], q, k, v, self.pages[i], self.staging[i],
-                      scaling, out, self.obs_window, self.packed_attention)
+        if isinstance(self.layouts[i], HeadSplitLayout):
+            forward_split_layer(*self._plans, self.layouts[i], q, k, v, self.pages[i],
+                                self.staging[i], scaling, out, self.obs_window,
+                                [self.packed_attention, self.retrieval_attention])
+        else:
+            forward_layer(*self._plans, self.layouts[i], q, k, v, self.pages[i], self.staging[i],
+                          scaling, out, self.obs_window, self.packed_attention)
         return out[None], None
 
     @torch.inference_mode()

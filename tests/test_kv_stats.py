@@ -59,10 +59,13 @@ def test_static_figures_match_vllm_and_the_backend(server):
     bits = stats["effective_bits"]
     assert (round(bits["groups"], 3), round(bits["pages"], 3), round(bits["overall"], 3)) == \
         tuple(float(x) for x in m.groups())
-    # what the worker really allocated: 29 packed layers + 1 bf16 layer per block
-    page = int(re.search(r"lowbit-kv pages: (\d+) bytes per block", log).group(1))
+    # what the worker really allocated: 29 packed layers (those with retrieval heads hold
+    # larger pages: one log line per page size) + 1 bf16 layer per block
+    pages = [(int(b), int(n)) for b, n in re.findall(
+        r"lowbit-kv pages: (\d+) bytes per block of \d+ tokens per layer \([^)]*\); (\d+) layers", log)]
+    assert sum(n for _, n in pages) == 29 and len(pages) > 1, pages
     bf16_page = BLOCK * KV_HEADS * HEAD_DIM * 2 * 2
-    assert cap["kv_cache_bytes"] == NUM_BLOCKS * (29 * page + bf16_page)
+    assert cap["kv_cache_bytes"] == NUM_BLOCKS * (sum(b * n for b, n in pages) + bf16_page)
     assert bits["allocated"] == pytest.approx(bits["overall"], abs=1e-3)
     bf16_tokens = cap["kv_cache_bytes"] // (bf16_page * LAYERS) * BLOCK
     assert cap["bf16_equivalent_tokens"] == bf16_tokens

@@ -70,13 +70,15 @@ Each step: :meth:`StagingAllocator.plan_step` (once, for all layers) gives a
 
 from .attention import attend, attention_mass, context_keys, exact_attention, read_staged
 from .forward import forward_layer, forward_split_layer
-from .layout import SINK_RELEVANCE, HeadSplitLayout, PagedLayout, mask_sink_rows, protected_visual, rank_protected
+from .layout import (SINK_RELEVANCE, HeadSplitLayout, PagedLayout, mask_sink_rows,
+                     protected_visual, rank_protected, scheme_layout)
 from .plan import ExactBatch, ReadPlan, StagingAllocator, WritePlan, make_read_plan
 from .write import Staging, apply_writes, encode_groups, stage_tokens
 
 __all__ = [
     "ExactBatch", "HeadSplitLayout", "PagedLayout", "ReadPlan", "SINK_RELEVANCE", "Staging",
     "StagingAllocator", "WritePlan", "apply_writes", "attend", "attention_mass", "context_keys",
-    "encode_groups", "exact_attention", "forward_layer", "forward_split_layer", "make_read_plan", "mask_sink_rows",
-    "protected_visual", "rank_protected", "read_staged", "stage_tokens",
+    "encode_groups", "exact_attention", "forward_layer", "forward_split_layer", "make_read_plan",
+    "mask_sink_rows", "protected_visual", "rank_protected", "read_staged", "scheme_layout",
+    "stage_tokens",
 ]

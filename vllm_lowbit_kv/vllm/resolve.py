@@ -10,7 +10,7 @@ import torch
 from vllm.config import get_current_vllm_config_or_none
 
 from ..config import ADDITIONAL_CONFIG_KEY, LowBitKVConfig
-from ..paged import HeadSplitLayout, PagedLayout
+from ..paged import HeadSplitLayout, PagedLayout, scheme_layout
 from ..schemes import KVScheme
 
 if TYPE_CHECKING:
@@ -69,9 +69,8 @@ def page_layout(scheme: KVScheme, head_size: int, num_kv_heads: int, block_size:
     """The page layout of the scheme's codecs (``retrieval``: of its retrieval heads' codecs)
     over ``num_kv_heads`` heads; codecs with per-layer state (RVQ codebooks) need ``layer``
     to code, the byte layout is the same for every layer."""
-    kc, vc = (scheme.retrieval_codecs if retrieval else scheme.codecs)(head_size, layer=layer)
-    return PagedLayout(kc, vc, num_kv_heads, block_size, scheme.sink_tokens, dtype,
-                       scheme.rotation(head_size, layer), scheme.protect_first)
+    return scheme_layout(scheme, head_size, num_kv_heads, block_size, dtype, layer,
+                         tuple(range(num_kv_heads)) if retrieval else ())
 
 
 def retrieval_layers(vllm_config: "VllmConfig | None" = None) -> dict[int, tuple[int, ...]]:
@@ -98,13 +97,8 @@ def layer_layout(scheme: KVScheme, head_size: int, num_kv_heads: int, block_size
                  dtype: torch.dtype, layer: int | None) -> PagedLayout | HeadSplitLayout:
     """The pages of one layer: :func:`page_layout`, or for a layer with retrieval heads a
     :class:`~vllm_lowbit_kv.paged.HeadSplitLayout` (the other heads, then those)."""
-    from ..retrieval_heads import layer_parts
-
-    heads = retrieval_layers().get(layer, ()) if layer is not None else ()
-    parts = layer_parts(heads, num_kv_heads)
-    layouts = [page_layout(scheme, head_size, len(hs), block_size, dtype, layer, retrieval)
-               for retrieval, hs in parts]
-    return layouts[0] if len(parts) == 1 else HeadSplitLayout(layouts, [hs for _, hs in parts])
+    return scheme_layout(scheme, head_size, num_kv_heads, block_size, dtype, layer,
+                         retrieval_layers().get(layer, ()) if layer is not None else ())
 
 
 def model_dtype() -> torch.dtype:
