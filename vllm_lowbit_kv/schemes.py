@@ -116,11 +116,18 @@ class KVScheme:
                        model_kv_heads: int | None = None) -> float:
         """Bits per element over K and V together, every stored byte counted; with
         retrieval heads, over all ``model_kv_heads`` (layers x KV heads) of the model."""
+        return sum(w * (k.effective_bits + v.effective_bits) / 2
+                   for w, (k, v) in self._weighted_codecs(head_dim, model_kv_heads, block_tokens))
+
+    def _weighted_codecs(self, head_dim: int, model_kv_heads: int | None,
+                         block_tokens: int | None = None) -> list[tuple[float, tuple]]:
+        """(share of the model's KV heads, (key codec, value codec)): the scheme's own
+        codecs, and with retrieval heads theirs."""
         share = self.retrieval_share(model_kv_heads)
         pairs = [(1 - share, self.codecs(head_dim, block_tokens))]
         if share:
-            pairs.append((share, self.retrieval_codecs(head_dim)))
-        return sum(w * (k.effective_bits + v.effective_bits) / 2 for w, (k, v) in pairs)
+            pairs.append((share, self.retrieval_codecs(head_dim, block_tokens)))
+        return pairs
 
     @property
     def staged_groups(self) -> int:
@@ -145,12 +152,8 @@ class KVScheme:
 
         T = self.block_tokens
         block_size = block_size or self.page_size
-        share = self.retrieval_share(model_kv_heads)
-        pairs = [(1 - share, self.codecs(head_dim))]
-        if share:
-            pairs.append((share, self.retrieval_codecs(head_dim)))
         head_page = sum(w * PagedLayout(kc, vc, 1, block_size, self.sink_tokens).page_bytes
-                        for w, (kc, vc) in pairs)
+                        for w, (kc, vc) in self._weighted_codecs(head_dim, model_kv_heads))
         blocks = -(-context_tokens // block_size)
         staged = self.staged_groups * T * 2 * head_dim * model_dtype_bytes
         return (blocks * head_page + staged) * 8 / (context_tokens * 2 * head_dim)
