@@ -12,12 +12,19 @@ off, ``--max-num-seqs`` = ``--prompts``), then ``vllm bench serve --dataset-name
 every server gets the same prompts, all sent at once. Per dtype: vLLM's result
 (output tokens/s, TTFT, TPOT, duration) and each as a ratio to bfloat16's. The JSON
 records the command, the machine and the client command; a PNG plots the ratios.
+
+``--preload on,off`` measures each dtype twice, with the launcher's LD_PRELOAD
+(tcmalloc, Intel OpenMP: ``LOWBIT_KV_PRELOAD=1``) and without (``LOWBIT_KV_PRELOAD=0``),
+one after the other; each row records the launcher's start-up line, its ratios are
+to bfloat16's with the same setting, and ``x_preload_off`` compares a preloaded row
+to the same dtype's row without. The default, ``on``, is the launcher's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -44,9 +51,14 @@ def client_command(port: int, model: str, served_name: str, args, result_dir: st
             "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", result_dir]
 
 
-def measure(model: str, dtype: str, args) -> dict:
+PRELOAD = {"on": "1", "off": "0"}
+PRELOAD_LINE = re.compile(r"^lowbit-kv: LD_PRELOAD.*$", re.M)
+
+
+def measure(model: str, dtype: str, args, preload: str = "on") -> dict:
     server = measurement_server(model, dtype, chunk=args.chunk, max_model_len=args.max_model_len,
-                                max_num_seqs=args.prompts, kv_space_gib=args.kv_space_gib)
+                                max_num_seqs=args.prompts, kv_space_gib=args.kv_space_gib,
+                                env={"LOWBIT_KV_PRELOAD": PRELOAD[preload], "LOWBIT_KV_PRELOADED": None})
     with server.start() as s, tempfile.TemporaryDirectory() as d:
         run = subprocess.run(client_command(s.port, model, s.model_name, args, d),
                              capture_output=True, text=True, timeout=3600)
@@ -55,14 +67,26 @@ def measure(model: str, dtype: str, args) -> dict:
                                f"\n{run.stderr[-3000:]}")
         result = json.loads(next(Path(d).glob("*.json")).read_text())
         impls = s.attention_impls()
-    return dict(dtype=dtype, attention_impls=impls, completed=result["completed"],
-                **{m: result[m] for m in METRICS})
+        line = PRELOAD_LINE.findall(s.log.read_text())
+    return dict(dtype=dtype, preload=preload, ld_preload=line[0] if line else None,
+                attention_impls=impls, completed=result["completed"], **{m: result[m] for m in METRICS})
 
 
 def add_ratios(rows: list[dict]) -> None:
-    ref = rows[0]
+    """``x_bf16``: to the first row with the same preload setting (bfloat16's);
+    ``x_preload_off``: a preloaded row to the same dtype's row without."""
     for row in rows:
+        ref = next(r for r in rows if r.get("preload") == row.get("preload"))
         row["x_bf16"] = {m: round(row[m] / ref[m], 4) for m in METRICS if ref[m]}
+        off = next((r for r in rows if r["dtype"] == row["dtype"] and r.get("preload") == "off"), None)
+        if row.get("preload") == "on" and off:
+            row["x_preload_off"] = {m: round(row[m] / off[m], 4) for m in METRICS if off[m]}
+
+
+def label(row: dict, rows: list[dict]) -> str:
+    """The dtype, and the preload setting where the rows have both."""
+    both = len({r.get("preload") for r in rows}) > 1
+    return f"{row['dtype']}{' (no preload)' if both and row.get('preload') == 'off' else ''}"
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -70,7 +94,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     shown = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
     fig, axes = plt.subplots(1, len(shown), figsize=(4 * len(shown), 3.4))
     for ax, m in zip(axes, shown):
-        ax.bar([r["dtype"] for r in rows], [r["x_bf16"][m] for r in rows], color="tab:blue")
+        ax.bar([label(r, rows) for r in rows], [r["x_bf16"][m] for r in rows], color="tab:blue")
+        ax.tick_params(axis="x", labelsize=6, rotation=20)
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_title(f"{m} / bf16's ({'higher' if METRICS[m] else 'lower'} is better)", fontsize=8)
     fig.suptitle(title, fontsize=9)
@@ -89,6 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-space-gib", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preload", default="on", help="on, off or on,off: each dtype with the launcher's "
+                   "LD_PRELOAD (tcmalloc, Intel OpenMP), without (LOWBIT_KV_PRELOAD=0), or both")
     p.add_argument("--json", default=str(RESULTS / "serve_client.json"))
     p.add_argument("--png", default=str(RESULTS / "serve_client.png"))
     args = p.parse_args(argv)
@@ -96,12 +123,17 @@ def main(argv: list[str] | None = None) -> dict:
         from vllm_lowbit_kv.model import prepare_model
         args.model = str(prepare_model())
     dtypes = list(dict.fromkeys([REFERENCE] + args.kv_cache_dtype.split(",")))
+    preloads = list(dict.fromkeys(args.preload.split(",")))
+    if not preloads or set(preloads) - set(PRELOAD):
+        p.error(f"--preload: on, off or on,off, not {args.preload!r}")
     t0 = time.time()
     rows = []
     for dtype in dtypes:
-        rows.append(measure(args.model, dtype, args))
-        print(f"{dtype}: {rows[-1]['output_throughput']:.2f} output tok/s, median TTFT "
-              f"{rows[-1]['median_ttft_ms']:.0f} ms", file=sys.stderr, flush=True)
+        for preload in preloads:
+            rows.append(measure(args.model, dtype, args, preload))
+            print(f"{label(rows[-1], [{'preload': x} for x in preloads])}: "
+                  f"{rows[-1]['output_throughput']:.2f} output tok/s, median TTFT "
+                  f"{rows[-1]['median_ttft_ms']:.0f} ms", file=sys.stderr, flush=True)
     add_ratios(rows)
     result = dict(
         command=portable.command(["python", "-m", "bench.serve_client", *argv], [args.model]),
@@ -115,8 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
                                f"{args.input_tokens} tokens, {args.output_tokens} output tokens, "
                                f"all at once ({result['machine']['cpu']})")
     for r in rows:
-        print(f"{r['dtype']:>10}: output tok/s x{r['x_bf16']['output_throughput']:.2f}, median TTFT "
-              f"x{r['x_bf16']['median_ttft_ms']:.2f}, median TPOT x{r['x_bf16']['median_tpot_ms']:.2f}")
+        print(f"{label(r, rows):>22}: output tok/s x{r['x_bf16']['output_throughput']:.2f}, median TTFT "
+              f"x{r['x_bf16']['median_ttft_ms']:.2f}, median TPOT x{r['x_bf16']['median_tpot_ms']:.2f}"
+              + ("".join(f", {m} x{r['x_preload_off'][m]:.2f} of no preload's"
+                         for m in ("output_throughput", "median_tpot_ms")) if "x_preload_off" in r else ""))
     return result
 
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.serve_client import METRICS, add_ratios, client_command
+from bench.serve_client import METRICS, add_ratios, client_command, label
 
 
 def test_every_server_gets_the_same_prompts_all_at_once():
@@ -26,3 +26,37 @@ def test_ratios_are_against_the_first_row():
     add_ratios(rows)
     assert rows[0]["x_bf16"] == {m: 1.0 for m in METRICS}
     assert rows[1]["x_bf16"] == {m: pytest.approx(1.5) for m in METRICS}
+
+
+def test_preload_on_and_off_in_the_same_run():
+    """--preload on,off: each dtype twice; ratios to bf16 within a setting, and on/off."""
+    rows = [dict(dtype="bfloat16", preload="on", **{m: 4.0 for m in METRICS}),
+            dict(dtype="bfloat16", preload="off", **{m: 2.0 for m in METRICS}),
+            dict(dtype="vidkv", preload="on", **{m: 6.0 for m in METRICS}),
+            dict(dtype="vidkv", preload="off", **{m: 3.0 for m in METRICS})]
+    add_ratios(rows)
+    assert [r["x_bf16"]["duration"] for r in rows] == [1.0, 1.0, 1.5, 1.5]
+    assert [r.get("x_preload_off", {}).get("duration") for r in rows] == [2.0, None, 2.0, None]
+    assert [label(r, rows) for r in rows] == ["bfloat16", "bfloat16 (no preload)", "vidkv",
+                                              "vidkv (no preload)"]
+    assert label(rows[0], rows[:1]) == "bfloat16"
+
+
+def test_preload_setting_reaches_the_server(monkeypatch):
+    """The preload setting is the launcher's LOWBIT_KV_PRELOAD (1 or 0), in every server."""
+    import bench.serve_client as sc
+
+    seen = []
+
+    def server(model, dtype, **kw):
+        seen.append(kw["env"])
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(sc, "measurement_server", server)
+    args = SimpleNamespace(chunk=2048, max_model_len=2048, prompts=8, kv_space_gib=2)
+    for preload in ("on", "off"):
+        with pytest.raises(RuntimeError):
+            sc.measure("/m", "vidkv", args, preload)
+    assert [e["LOWBIT_KV_PRELOAD"] for e in seen] == ["1", "0"]
+    with pytest.raises(SystemExit):
+        sc.main(["--preload", "maybe", "--model", "/m"])
