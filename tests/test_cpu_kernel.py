@@ -14,6 +14,8 @@ and log-sum-exps to ``LSE_TOL`` (atol 5e-5) for every query dtype.
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -137,6 +139,37 @@ def test_kernel_matches_reference_random_shapes(scheme, T, blocks_per, heads, n_
     check(layout, pages, table, ng, q_start, query.to(dtype), torch.tensor(skip[:R]))
 
 
+#: (scheme, overrides, head_dim, block_tokens) taking each path of the kernel's code
+#: readers: rows of key codes byte-aligned (transposed 16 rows at a time by byte permutes,
+#: 1- and 2-bit columns read through lookup tables, 4- and 8-bit ones converted) or not
+#: (vidkv k=0.4: 26 two-bit and 38 one-bit channels; 8-bit rows of 128 bytes: repacked);
+#: value codes decoded in registers (2, 4, 8 bits; per token, per channel, STP rows);
+#: head_dim of 1 to 4 vectors per channel block; groups of 16 to 48 tokens, not all
+#: multiples of 16 (the last row block part empty)
+CODE_PATHS = [
+    ("kivi2", {}, 16, 24), ("kivi2", {}, 48, 32), ("kivi4", {}, 128, 16),
+    ("kivi2", {"bits": 8}, 128, 32), ("kivi2", {"bits": 8}, 64, 40), ("vidkv", {"k": 0.4}, 64, 32),
+    ("vidkv", {}, 128, 48), ("vidkv_stp", {}, 96, 40), ("vidkv_visual", {}, 64, 24),
+    ("vidkv_k15v2", {}, 80, 32), ("vidkv", {"k": 0.25}, 64, 16), ("vidkv_k2v2", {}, 32, 24),
+]
+
+
+@pytest.mark.parametrize("scheme,params,D,T", CODE_PATHS, ids=lambda x: str(x))
+@pytest.mark.parametrize("heads", [(1, 1), (2, 6), (3, 9), (1, 7)], ids=str)
+def test_kernel_code_paths(scheme, params, D, T, heads):
+    """Fresh random pages per case, ragged contexts (one empty, one emptied by skip_tokens,
+    one skipping into its second group), several GQA ratios, a decode row and a chunk of
+    rows, bf16 queries; outputs poisoned before the call (check)."""
+    H, Hq = heads
+    layout = layout_for(scheme, params, H=H, T=T, block_size=2 * T, sinks=2, D=D)
+    seed = zlib.crc32(f"{scheme}{params}{D}{T}{heads}".encode())
+    n_groups = [7, 0, 1, 3, 2]
+    pages, table, ng, q_start, query = random_case(layout, n_groups, [1, 1, 1, 4, 1], Hq,
+                                                   seed=seed)
+    skip = torch.tensor([0, 0, T, T + 3, 1])
+    check(layout, pages, table, ng, q_start, query.to(torch.bfloat16), skip, scale=D ** -0.5)
+
+
 def test_long_context_single_request_splits():
     """One request, one KV head: the context is split over work items and merged."""
     layout = layout_for("vidkv", {}, H=1, T=64, block_size=128)
@@ -180,22 +213,24 @@ PORTABLE_CHECK = """
 import sys, time
 import torch
 from vllm_lowbit_kv.ops import cpu
-from test_cpu_kernel import FORMATS, check, layout_for, random_case
+from test_cpu_kernel import CODE_PATHS, FORMATS, check, layout_for, random_case
 started = time.monotonic()
 assert cpu.load_library() is None
 print(f"built in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-for i, (scheme, params) in enumerate(FORMATS):
-    layout = layout_for(scheme, params, H=2, T=32, block_size=64, sinks=2)
+cases = [(s, p, 64, 32) for s, p in FORMATS] + CODE_PATHS
+for i, (scheme, params, D, T) in enumerate(cases):
+    layout = layout_for(scheme, params, H=2, T=T, block_size=2 * T, sinks=2, D=D)
     pages, table, ng, q_start, query = random_case(layout, [3, 9, 0], [2, 1, 1], 6, seed=i)
     check(layout, pages, table, ng, q_start, query.bfloat16(), torch.tensor([2, 0, 0]))
-    print(f"{scheme} ok", file=sys.stderr, flush=True)
+    print(f"{scheme} {params} D={D} T={T} ok", file=sys.stderr, flush=True)
 print("ok")
 """
 
 
 def test_portable_build_without_avx512(tmp_path):
-    """The kernel built for AVX2 only (no AVX-512: the scalar trit table, generic int8
-    conversion and narrower vectors) matches the reference too, in its own process
+    """The kernel built for AVX2 only (no AVX-512: the scalar trit table, generic int8 and
+    code conversions, repacked code rows read column by column, narrower vectors) matches
+    the reference too (FORMATS and CODE_PATHS), in its own process
     (its own build folder under tmp_path: no lock or library left by another run)."""
     import os
     import subprocess

@@ -21,6 +21,14 @@
 // are accumulated the same way: sum_t p_t (alpha_c trit_tc) =
 // alpha_c sum_t p_t trit_tc, vectorized over 16 channels.
 //
+// With AVX-512 (F, BW, VBMI; the build is -march=native, so the ISA is the machine's),
+// code rows are transposed 16 rows at a time by byte permutes (no scalar repacking), and
+// 1- and 2-bit key columns are read through lookup tables (T-MAC style): per query vector
+// and per 4-bit nibble of a row, a 16-entry table of the partial score of every bit
+// pattern, per-channel weights folded in, looked up for 16 tokens by one vpermps. Value
+// codes (KIVI 2/4/8-bit, STP rows) are decoded in registers as they are summed. Without
+// AVX-512 the portable paths (repacked rows, columns one at a time) run.
+//
 // RVQ pages (seed 001: each token's head vector as K codeword indices per channel group,
 // times its std) are decoded one group at a time from the layer's codebooks (float32,
 // passed beside the pages) and then read as dense rows.
@@ -47,6 +55,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 namespace lowbit_kv {
@@ -320,8 +329,152 @@ void column_scores(const uint32_t* words, int W, int TP, int J, int bits, const 
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define LOWBIT_FAST_CODES 1
+// -- fast code columns (AVX-512 VBMI) ----------------------------------------------------
+// Rows of rb bytes (b-bit codes, rows byte-aligned) are transposed 16 at a time by byte
+// permutes (no scalar repacking): word w of row t lands in lane t. Columns of 1- and 2-bit
+// codes are then read through lookup tables, T-MAC style: per query vector and per 4-bit
+// nibble of a row (4 one-bit or 2 two-bit codes) a 16-entry table of the partial dot
+// product for every bit pattern (the per-channel weights folded in), looked up for 16 rows
+// at once by one vpermps (which reads only the low 4 bits of each lane, so a lane is just
+// shifted, never masked).
+constexpr int kMaxRowBytes = 64;
+
+struct RowPlan {  // how to transpose 16 rows of rb bytes: per output word, its permutes
+  struct Op {
+    int z;            // window: bytes [64 z, 64 z + 128) of the 16 rows
+    __mmask64 bytes;  // the output bytes (4 per lane) this permute fills
+    uint8_t idx[64];  // byte index into the window per output byte
+  };
+  int W = 0, loads = 0;  // words per row; 64-byte loads the 16 rows need (windows + 1)
+  std::vector<int> first;  // ops of word w: [first[w], first[w + 1])
+  std::vector<Op> ops;
+  explicit RowPlan(int rb) : W((rb + 3) / 4) {
+    for (int w = 0; w < W; ++w) {
+      first.push_back(int(ops.size()));
+      for (int t = 0; t < L;) {
+        const int z = (t * rb + 4 * w) / 64;
+        Op op{z, 0, {}};
+        std::memset(op.idx, 0, sizeof op.idx);
+        for (; t < L && (t * rb + 4 * w) / 64 == z; ++t)
+          for (int b = 0; b < 4; ++b) {
+            op.idx[4 * t + b] = uint8_t(t * rb + 4 * w + b - 64 * z);
+            op.bytes |= __mmask64(1) << (4 * t + b);
+          }
+        loads = std::max(loads, z + 2);
+        ops.push_back(op);
+      }
+    }
+    first.push_back(int(ops.size()));
+  }
+};
+
+const RowPlan& row_plan(int rb) {
+  static std::once_flag once[kMaxRowBytes + 1];
+  static const RowPlan* plans[kMaxRowBytes + 1];
+  std::call_once(once[rb], [rb] { plans[rb] = new RowPlan(rb); });
+  return *plans[rb];
+}
+
+// Rows [0, n) of rb bytes (the stream holds n * rb bytes) -> words[w * TP + i] (word w of
+// row i; rows [n, TP) zero; bytes of a word past its row belong to the next row)
+void transpose_rows(const uint8_t* src, int n, int rb, uint32_t* words, int TP) {
+  const RowPlan& p = row_plan(rb);
+  const int64_t bytes = int64_t(n) * rb;
+  alignas(64) uint8_t tail[64 * (kMaxRowBytes / 4 + 2)];
+  for (int tb = 0; tb < TP; tb += L) {
+    const uint8_t* blk = src + int64_t(tb) * rb;
+    const int64_t avail = bytes - int64_t(tb) * rb;
+    if (avail <= 0) {
+      for (int w = 0; w < p.W; ++w) _mm512_storeu_si512(words + w * TP + tb, _mm512_setzero_si512());
+      continue;
+    }
+    if (avail < 64 * p.loads) {  // the last rows: never read past the stream
+      std::memset(tail, 0, size_t(64) * p.loads);
+      std::memcpy(tail, blk, size_t(avail));
+      blk = tail;
+    }
+    for (int w = 0; w < p.W; ++w) {
+      __m512i r = _mm512_setzero_si512();
+      for (int o = p.first[w]; o < p.first[w + 1]; ++o) {
+        const RowPlan::Op& op = p.ops[o];
+        const __m512i x = _mm512_permutex2var_epi8(
+            _mm512_loadu_si512(blk + 64 * op.z), _mm512_loadu_si512(op.idx),
+            _mm512_loadu_si512(blk + 64 * op.z + 64));
+        r = o == p.first[w] ? x : _mm512_mask_mov_epi8(r, op.bytes, x);
+      }
+      _mm512_storeu_si512(words + w * TP + tb, r);
+    }
+  }
+}
+
+// tabs[(m * nib + k) * 16 + pattern] = sum_j w[m * J + k * per + j] code_j(pattern) for the
+// MB query vectors from m0 (per = 4 / bits codes per nibble; tables indexed from m0)
+template <int MB>
+void build_tables(const float* w, int J, int bits, float* tabs, int m0) {
+  const int per = 4 / bits, nib = J / per;
+  const __m512i pat = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+  __m512 code[4];
+  for (int j = 0; j < per; ++j)
+    code[j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(pat, unsigned(j * bits)), mask));
+  for (int m = 0; m < MB; ++m) {
+    const float* wm = w + (m0 + m) * J;
+    float* tm = tabs + m * nib * L;
+    for (int k = 0; k < nib; ++k) {
+      __m512 t = _mm512_mul_ps(code[0], _mm512_set1_ps(wm[k * per]));
+      for (int j = 1; j < per; ++j) t = _mm512_fmadd_ps(code[j], _mm512_set1_ps(wm[k * per + j]), t);
+      _mm512_storeu_ps(tm + k * L, t);
+    }
+  }
+}
+
+// out[m * TP + i] += the tables' sums over row i's nibbles, for MB query vectors from m0
+template <int MB>
+void lut_scores(const uint32_t* words, int nib, int TP, const float* tabs, float* out, int m0) {
+  for (int tb = 0; tb < TP; tb += L) {
+    __m512 acc[MB], acc2[MB];
+    for (int m = 0; m < MB; ++m) {
+      acc[m] = _mm512_loadu_ps(out + (m0 + m) * TP + tb);
+      acc2[m] = _mm512_setzero_ps();
+    }
+    for (int k0 = 0; k0 < nib; k0 += 8) {
+      const __m512i wv = _mm512_loadu_si512(words + (k0 / 8) * TP + tb);
+      const int kn = std::min(8, nib - k0);
+      int k = 0;
+      for (; k + 2 <= kn; k += 2) {  // two chains per vector: the adds overlap
+        const __m512i i0 = _mm512_srlv_epi32(wv, _mm512_set1_epi32(4 * k));
+        const __m512i i1 = _mm512_srlv_epi32(wv, _mm512_set1_epi32(4 * k + 4));
+        for (int m = 0; m < MB; ++m) {
+          const float* tm = tabs + (m * nib + k0 + k) * L;
+          acc[m] = _mm512_add_ps(acc[m], _mm512_permutexvar_ps(i0, _mm512_loadu_ps(tm)));
+          acc2[m] = _mm512_add_ps(acc2[m], _mm512_permutexvar_ps(i1, _mm512_loadu_ps(tm + L)));
+        }
+      }
+      if (k < kn) {
+        const __m512i i0 = _mm512_srlv_epi32(wv, _mm512_set1_epi32(4 * k));
+        for (int m = 0; m < MB; ++m)
+          acc[m] = _mm512_add_ps(acc[m], _mm512_permutexvar_ps(
+                                             i0, _mm512_loadu_ps(tabs + (m * nib + k0 + k) * L)));
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      _mm512_storeu_ps(out + (m0 + m) * TP + tb, _mm512_add_ps(acc[m], acc2[m]));
+  }
+}
+
+template <int MB>
+void lut_column_scores(const uint32_t* words, int TP, int J, int bits, const float* w,
+                       float* tabs, float* out, int m0) {
+  build_tables<MB>(w, J, bits, tabs, m0);
+  lut_scores<MB>(words, J * bits / 4, TP, tabs, out, m0);
+}
+#endif
+
 // acc_w[m * D + c] = sum_i p[m * TP + pos[i]] x[i * D + c] for MB query vectors from m0,
 // psum[m] = sum_i p[m * TP + pos[i]]; vectorized over 16 channels, sums in registers.
+// x is a row source: row(i, c) gives channels [c, c + 16) of row i as floats.
 inline vf load_row(const float* x) { return loadf(x); }
 // 16 int8 -> floats (GCC's generic conversion of byte vectors is scalarized)
 inline vf load_row(const int8_t* x) {
@@ -337,8 +490,81 @@ inline vf load_row(const int8_t* x) {
 #endif
 }
 
+template <typename X>
+struct DenseRows {  // rows of D floats or int8
+  const X* x;
+  int D;
+  vf row(int i, int c) const { return load_row(x + int64_t(i) * D + c); }
+};
+
+// rows of D b-bit codes (b = 2, 4, 8), rows back to back: decoded 16 at a time in registers
+template <int BITS>
+struct CodeRows {
+  const uint8_t* codes;
+  int row_bytes;  // D * BITS / 8
+  vf row(int i, int c) const {
+    const uint8_t* src = codes + int64_t(i) * row_bytes + c * BITS / 8;
+#if defined(__AVX512F__)
+    __m512i v;
+    if constexpr (BITS == 2) {
+      uint32_t w;
+      std::memcpy(&w, src, 4);
+      v = _mm512_and_si512(
+          _mm512_srlv_epi32(_mm512_set1_epi32(int(w)),
+                            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                              28, 30)),
+          _mm512_set1_epi32(3));
+    } else if constexpr (BITS == 4) {
+      uint64_t w;
+      std::memcpy(&w, src, 8);
+      const __m512i both = _mm512_setr_epi32(int(uint32_t(w)), int(uint32_t(w)), int(uint32_t(w)),
+                                             int(uint32_t(w)), int(uint32_t(w)), int(uint32_t(w)),
+                                             int(uint32_t(w)), int(uint32_t(w)), int(w >> 32),
+                                             int(w >> 32), int(w >> 32), int(w >> 32),
+                                             int(w >> 32), int(w >> 32), int(w >> 32),
+                                             int(w >> 32));
+      v = _mm512_and_si512(
+          _mm512_srlv_epi32(both, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16,
+                                                    20, 24, 28)),
+          _mm512_set1_epi32(15));
+    } else {
+      v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)src));
+    }
+    const __m512 f = _mm512_cvtepi32_ps(v);
+    vf out;
+    std::memcpy(&out, &f, sizeof out);
+    return out;
+#else
+    vf out;
+    for (int l = 0; l < L; ++l) {
+      const int bit = l * BITS;
+      out[l] = float((src[bit >> 3] >> (bit & 7)) & ((1 << BITS) - 1));
+    }
+    return out;
+#endif
+  }
+};
+
+// channels [c0, c0 + NV * 16): each probability is loaded once per block
+template <int MB, int NV, typename X>
+void row_sums_block(const X& x, const int* pos, int rows, const float* p, int TP, float* acc_w,
+                    int D, int m0, int c0) {
+  vf acc[MB][NV] = {};
+  for (int i = 0; i < rows; ++i) {
+    vf xv[NV];
+    for (int v = 0; v < NV; ++v) xv[v] = x.row(i, c0 + v * L);
+    const int at = pos[i];
+    for (int m = 0; m < MB; ++m) {
+      const float pm = p[(m0 + m) * TP + at];
+      for (int v = 0; v < NV; ++v) acc[m][v] += xv[v] * pm;
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < NV; ++v) storef(acc_w + (m0 + m) * D + c0 + v * L, acc[m][v]);
+}
+
 template <int MB, typename X>
-void row_sums(const X* x, const int* pos, int rows, int D, const float* p, int TP,
+void row_sums(const X& x, const int* pos, int rows, int D, const float* p, int TP,
               float* acc_w, float* psum, int m0) {
   if (psum) {
     for (int m = 0; m < MB; ++m) {
@@ -347,23 +573,15 @@ void row_sums(const X* x, const int* pos, int rows, int D, const float* p, int T
       psum[m0 + m] = (s[0] + s[1]) + (s[2] + s[3]);
     }
   }
-  // blocks of up to 4 vectors of channels: each probability is loaded once per block
+  // blocks of up to 4 vectors of channels
   constexpr int CB = 4;
   for (int c0 = 0; c0 < D; c0 += CB * L) {
-    const int nv = std::min(CB, (D - c0) / L);
-    vf acc[MB][CB] = {};
-    for (int i = 0; i < rows; ++i) {
-      vf xv[CB];
-      for (int v = 0; v < CB; ++v)
-        if (v < nv) xv[v] = load_row(x + i * D + c0 + v * L);
-      for (int m = 0; m < MB; ++m) {
-        const float pm = p[(m0 + m) * TP + pos[i]];
-        for (int v = 0; v < CB; ++v)
-          if (v < nv) acc[m][v] += xv[v] * pm;
-      }
+    switch (std::min(CB, (D - c0) / L)) {
+      case 1: row_sums_block<MB, 1>(x, pos, rows, p, TP, acc_w, D, m0, c0); break;
+      case 2: row_sums_block<MB, 2>(x, pos, rows, p, TP, acc_w, D, m0, c0); break;
+      case 3: row_sums_block<MB, 3>(x, pos, rows, p, TP, acc_w, D, m0, c0); break;
+      default: row_sums_block<MB, 4>(x, pos, rows, p, TP, acc_w, D, m0, c0); break;
     }
-    for (int m = 0; m < MB; ++m)
-      for (int v = 0; v < nv; ++v) storef(acc_w + (m0 + m) * D + c0 + v * L, acc[m][v]);
   }
 }
 
@@ -445,12 +663,35 @@ struct Scratch {
   std::vector<float> meta;      // [4 * D]: metadata of one group as floats
   std::vector<float> extra;     // STP keys: protected scores; KIVI values: per-token scale/zero
   std::vector<float> qn, u;     // [M * D]: normal channels of the queries, A q_N
+  std::vector<float> tabs;       // lookup tables of kMaxMB query vectors [kMaxMB][D / 2][16]
   std::vector<int> idx2, idxn, kpos, vpos;
   Scratch(const Format& f, int M)
       : words(size_t(f.D / 4 + 1) * f.TP), x(size_t(f.TP) * f.D + 2 * L), ss(size_t(M) * f.TP),
         w(size_t(M) * f.D), w1(size_t(M) * f.D), cst(M), psum(M), meta(4 * size_t(f.D)),
-        qn(size_t(M) * f.D), u(size_t(M) * f.D), idx2(f.D), idxn(f.D), kpos(f.T), vpos(f.T) {}
+        qn(size_t(M) * f.D), u(size_t(M) * f.D), tabs(size_t(kMaxMB) * (f.D / 2) * L),
+        idx2(f.D), idxn(f.D), kpos(f.T), vpos(f.T) {}
 };
+
+// out[m * TP + i] += sum_j w[m * J + j] code(i, j) over rows [0, n) of J b-bit codes (rows
+// back to back in the stream at src), for the M query vectors; rows [n, TP) get finite junk
+void code_column_scores(const uint8_t* src, int n, int J, int bits, const float* w, int M,
+                        int TP, float* out, Scratch& s) {
+#if defined(LOWBIT_FAST_CODES)
+  const int64_t row_bits = int64_t(J) * bits;
+  if (row_bits % 8 == 0 && row_bits / 8 <= kMaxRowBytes) {
+    const int rb = int(row_bits / 8);
+    transpose_rows(src, n, rb, s.words.data(), TP);
+    if (bits <= 2) {
+      LOWBIT_FOR_BLOCKS(M, lut_column_scores, s.words.data(), TP, J, bits, w, s.tabs.data(), out)
+    } else {
+      LOWBIT_FOR_BLOCKS(M, column_scores, s.words.data(), (rb + 3) / 4, TP, J, bits, w, out)
+    }
+    return;
+  }
+#endif
+  const int W = repack_rows(src, n, J, bits, s.words.data(), TP);
+  LOWBIT_FOR_BLOCKS(M, column_scores, s.words.data(), W, TP, J, bits, w, out)
+}
 
 // -- keys: scores sc[m * TP + t] = q_m . k_t (q already scaled), token order --------------
 // scores of rows coded per channel (b-bit codes, fp16 scale/zero per channel over D)
@@ -468,8 +709,7 @@ void affine_channel_scores(const uint8_t* codes, int rows, int bits, const uint8
     for (int c = 0; c < D; ++c) wm[c] = qm[c] * scale[c];
     std::fill(out + m * TP, out + (m + 1) * TP, dot(qm, zero, D));
   }
-  const int W = repack_rows(codes, rows, D, bits, s.words.data(), TP);
-  LOWBIT_FOR_BLOCKS(M, column_scores, s.words.data(), W, TP, D, bits, s.w.data(), out)
+  code_column_scores(codes, rows, D, bits, s.w.data(), M, TP, out, s);
 }
 
 // RVQ group -> rows x [T][D]: per token and channel group the sum of its K codewords,
@@ -588,12 +828,10 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
     std::fill(low + m * TP, low + (m + 1) * TP, s.cst[m] + dot(u, lo, n1));
   }
   if (n2) {
-    const int W = repack_rows(st + d[VK_CODES2], n, n2, 2, s.words.data(), TP);
-    LOWBIT_FOR_BLOCKS(M, column_scores, s.words.data(), W, TP, n2, 2, w2, low)
+    code_column_scores(st + d[VK_CODES2], n, n2, 2, w2, M, TP, low, s);
   }
   if (n1) {
-    const int W = repack_rows(st + d[VK_CODES1], n, n1, 1, s.words.data(), TP);
-    LOWBIT_FOR_BLOCKS(M, column_scores, s.words.data(), W, TP, n1, 1, w1, low)
+    code_column_scores(st + d[VK_CODES1], n, n1, 1, w1, M, TP, low, s);
   }
   if (np) {  // scatter storage order to token order
     for (int m = 0; m < M; ++m) {
@@ -606,7 +844,7 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
 // -- values: acc[m * D + c] += sum_t p[m * TP + t] v_tc -------------------------------------
 // acc += a[c] * (sum_i p_i x_ic) + b[c] * (sum_i p_i) over the given rows of x
 template <typename X>
-void accumulate(const X* x, const int* pos, int rows, const float* p, int M, int D, int TP,
+void accumulate(const X& x, const int* pos, int rows, const float* p, int M, int D, int TP,
                 const float* a, const float* b, float* acc, Scratch& s) {
   // sum_i p_i only matters with an offset b
   LOWBIT_FOR_BLOCKS(M, row_sums, x, pos, rows, D, p, TP, s.w.data(), b ? s.psum.data() : nullptr)
@@ -626,6 +864,18 @@ void accumulate(const X* x, const int* pos, int rows, const float* p, int M, int
 
 int64_t code_bytes(int64_t count, int bits) { return (count * bits + 7) / 8; }
 
+// accumulate over rows of D b-bit codes (b = 2, 4 or 8; D * b a multiple of 32 bits)
+void accumulate_codes(const uint8_t* codes, int bits, const int* pos, int rows, const float* p,
+                      int M, int D, int TP, const float* a, const float* b, float* acc,
+                      Scratch& s) {
+  const int rb = D * bits / 8;
+  switch (bits) {
+    case 2: return accumulate(CodeRows<2>{codes, rb}, pos, rows, p, M, D, TP, a, b, acc, s);
+    case 4: return accumulate(CodeRows<4>{codes, rb}, pos, rows, p, M, D, TP, a, b, acc, s);
+    default: return accumulate(CodeRows<8>{codes, rb}, pos, rows, p, M, D, TP, a, b, acc, s);
+  }
+}
+
 // p (probabilities, token order) may be overwritten
 void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, float* acc,
                        Scratch& s) {
@@ -639,12 +889,11 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
     rvq_decode(sv, d, f.val_books, T, D, x, zero);
     stp_positions(nullptr, T, 0, pos);
     std::fill(scale, scale + D, 1.f);
-    accumulate(x, pos, T, p, M, D, TP, scale, nullptr, acc, s);
+    accumulate(DenseRows<float>{x, D}, pos, T, p, M, D, TP, scale, nullptr, acc, s);
     return;
   }
   if (d[0] == VAL_KIVI_TOKEN) {  // scale/zero per token group
     const int bits = int(d[KT_BITS]), gs = int(d[KT_GROUP]), ng = D / gs;
-    decode_codes(sv + d[KT_CODES], code_bytes(int64_t(T) * D, bits), int64_t(T) * D, bits, x);
     std::vector<float>& sz = s.extra;  // scale then zero, [T][ng] each
     sz.resize(size_t(2) * T * ng);
     halves_to_float(sv + d[KT_SCALE], T * ng, sz.data());
@@ -660,7 +909,7 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
 #pragma omp simd
         for (int t = 0; t < T; ++t) pm[t] *= st[t];
       }
-      accumulate(x, pos, T, p, M, D, TP, scale, nullptr, acc, s);
+      accumulate_codes(sv + d[KT_CODES], bits, pos, T, p, M, D, TP, scale, nullptr, acc, s);
       for (int m = 0; m < M; ++m) {
         float* am = acc + m * D;
         const float pz = s.cst[m];
@@ -669,6 +918,7 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
       }
       return;
     }
+    decode_codes(sv + d[KT_CODES], code_bytes(int64_t(T) * D, bits), int64_t(T) * D, bits, x);
     for (int t = 0; t < T; ++t)
       for (int g = 0; g < ng; ++g) {
         const float sc = sz[t * ng + g], z = sz[T * ng + t * ng + g];
@@ -676,16 +926,15 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
 #pragma omp simd
         for (int c = 0; c < gs; ++c) xr[c] = xr[c] * sc + z;
       }
-    accumulate(x, pos, T, p, M, D, TP, scale, nullptr, acc, s);
+    accumulate(DenseRows<float>{x, D}, pos, T, p, M, D, TP, scale, nullptr, acc, s);
     return;
   }
   if (d[0] == VAL_KIVI_CHANNEL) {
     const int bits = int(d[KC_BITS]);
     halves_to_float(sv + d[KC_SCALE], D, scale);
     halves_to_float(sv + d[KC_ZERO], D, zero);
-    decode_codes(sv + d[KC_CODES], code_bytes(int64_t(T) * D, bits), int64_t(T) * D, bits, x);
     stp_positions(nullptr, T, 0, pos);
-    accumulate(x, pos, T, p, M, D, TP, scale, zero, acc, s);
+    accumulate_codes(sv + d[KC_CODES], bits, pos, T, p, M, D, TP, scale, zero, acc, s);
     return;
   }
   // ternary (+ STP): protected rows 2-bit per channel, the rest alpha_c * trit
@@ -694,13 +943,12 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
   if (np) {
     halves_to_float(sv + d[TV_PROT_SCALE], D, scale);
     halves_to_float(sv + d[TV_PROT_ZERO], D, zero);
-    decode_codes(sv + d[TV_PROT_CODES], code_bytes(int64_t(np) * D, 2), int64_t(np) * D, 2, x);
-    accumulate(x, pos, np, p, M, D, TP, scale, zero, acc, s);
+    accumulate_codes(sv + d[TV_PROT_CODES], 2, pos, np, p, M, D, TP, scale, zero, acc, s);
   }
   halves_to_float(sv + d[TV_ALPHA], D, scale);
   int8_t* trits = reinterpret_cast<int8_t*>(x);
   decode_trits(sv + d[TV_TRITS], n * D, trits);
-  accumulate(trits, pos + np, n, p, M, D, TP, scale, nullptr, acc, s);
+  accumulate(DenseRows<int8_t>{trits, D}, pos + np, n, p, M, D, TP, scale, nullptr, acc, s);
 }
 
 // -- one work item: request r, KV head h, its groups [g_lo, g_hi) -----------------------
