@@ -148,14 +148,34 @@ inline void halves_to_float(const uint8_t* src, int n, float* dst) {
   }
 }
 
+// two accumulators and a shuffle reduction (the compiler's reduction went through memory)
 inline float dot(const float* a, const float* b, int n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+  vf s0 = vf{}, s1 = vf{};
+  int i = 0;
+  for (; i + 2 * L <= n; i += 2 * L) {
+    s0 += loadf(a + i) * loadf(b + i);
+    s1 += loadf(a + i + L) * loadf(b + i + L);
+  }
+  if (i + L <= n) {
+    s0 += loadf(a + i) * loadf(b + i);
+    i += L;
+  }
+  if (i < n) {
+    vf x = vf{}, y = vf{};
+    std::memcpy(&x, a + i, sizeof(float) * size_t(n - i));
+    std::memcpy(&y, b + i, sizeof(float) * size_t(n - i));
+    s1 += x * y;
+  }
+  return hsum(s0 + s1);
 }
 
 inline bool bit_at(const uint8_t* p, int i) { return (p[i >> 3] >> (i & 7)) & 1; }
+// bits [c0, c0 + 16) of a bit mask (c0 a multiple of 16)
+inline uint16_t mask16(const uint8_t* p, int c0) {
+  uint16_t m;
+  std::memcpy(&m, p + c0 / 8, 2);
+  return m;
+}
 
 // Flat b-bit codes [0, count) of a stream of `bytes` bytes (little-end first) -> floats.
 // dst holds round_up(count) floats (the tail lanes get whatever codes follow, or 0).
@@ -198,34 +218,29 @@ void decode_codes(const uint8_t* src, int64_t bytes, int64_t count, int bits, fl
 #if defined(__AVX512BW__) && defined(__AVX512VBMI__)
 // 64 bytes hold 320 trits; output vector j (trits 64j .. 64j + 63) takes lane l from byte
 // (64j + l) / 5, digit (64j + l) % 5: one byte permute, then in 16-bit lanes
-// digit = (byte * mul >> shift) % 3 with mul/shift dividing by 3^digit exactly for bytes.
+// digit d of byte b = ((b * ceil(2^16 / 3^(d + 1)) mod 2^16) * 3) >> 16 (exact for every
+// b < 243: the fraction of b / 3^(d + 1), times 3, floored).
 struct TritSimd {
-  __m512i perm[5], mul[5][2], shift[5][2];
+  __m512i perm[5], mul[5][2];
   TritSimd() {
-    static const int kMul[5] = {1, 171, 57, 19, 203}, kShift[5] = {0, 9, 9, 9, 14};
+    static const int kMul[5] = {21846, 7282, 2428, 810, 270};
     alignas(64) uint8_t p[64];
-    alignas(64) uint16_t m[2][32], sh[2][32];
+    alignas(64) uint16_t m[2][32];
     for (int j = 0; j < 5; ++j) {
       for (int l = 0; l < 64; ++l) {
         const int t = 64 * j + l, digit = t % 5;
         p[l] = uint8_t(t / 5);
         m[l / 32][l % 32] = uint16_t(kMul[digit]);
-        sh[l / 32][l % 32] = uint16_t(kShift[digit]);
       }
       perm[j] = _mm512_load_si512(p);
-      for (int h = 0; h < 2; ++h) {
-        mul[j][h] = _mm512_load_si512(m[h]);
-        shift[j][h] = _mm512_load_si512(sh[h]);
-      }
+      for (int h = 0; h < 2; ++h) mul[j][h] = _mm512_load_si512(m[h]);
     }
   }
 };
 
-inline __m512i trits16(__m512i bytes16, __m512i mul, __m512i shift) {
-  const __m512i q = _mm512_srlv_epi16(_mm512_mullo_epi16(bytes16, mul), shift);
-  const __m512i q3 = _mm512_srli_epi16(_mm512_mullo_epi16(q, _mm512_set1_epi16(171)), 9);
-  const __m512i r = _mm512_sub_epi16(q, _mm512_mullo_epi16(q3, _mm512_set1_epi16(3)));
-  return _mm512_sub_epi16(r, _mm512_set1_epi16(1));
+inline __m512i trits16(__m512i bytes16, __m512i mul) {
+  const __m512i frac = _mm512_mullo_epi16(bytes16, mul);
+  return _mm512_sub_epi16(_mm512_mulhi_epu16(frac, _mm512_set1_epi16(3)), _mm512_set1_epi16(1));
 }
 
 // n trits -> int8 in {-1, 0, 1}; dst holds round_up(n, 64) bytes
@@ -238,11 +253,10 @@ inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
                           : _mm512_maskz_loadu_epi8((1ull << (bytes - b0)) - 1, src + b0);
     for (int j = 0; j < 5 && 5 * b0 + 64 * j < n; ++j) {
       const __m512i g = _mm512_permutexvar_epi8(c.perm[j], v);
-      const __m256i lo = _mm512_cvtepi16_epi8(
-          trits16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(g)), c.mul[j][0], c.shift[j][0]));
+      const __m256i lo =
+          _mm512_cvtepi16_epi8(trits16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(g)), c.mul[j][0]));
       const __m256i hi = _mm512_cvtepi16_epi8(
-          trits16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(g, 1)), c.mul[j][1],
-                  c.shift[j][1]));
+          trits16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(g, 1)), c.mul[j][1]));
       _mm512_storeu_si512(dst + 5 * b0 + 64 * j,
                           _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
     }
@@ -631,9 +645,28 @@ void stp_positions(const uint8_t* tok_mask, int T, int n_protect, int* pos) {
     return;
   }
   int ip = 0;
-  for (int t = 0; t < T; ++t) ip += bit_at(tok_mask, t);
+  for (int t = 0; t < T / 8; ++t) ip += __builtin_popcount(tok_mask[t]);
+  if (T % 8) ip += __builtin_popcount(tok_mask[T / 8] & ((1u << (T % 8)) - 1));
   TORCH_CHECK(ip == n_protect, "lowbit-kv: tok_mask has ", ip, " bits set, not ", n_protect,
               " (corrupt page?)");
+#if defined(LOWBIT_FAST_CODES)
+  // 16 tokens at a time by compressing their indices; pos holds T + 16 (a store writes 16
+  // lanes): the protected ones first, then the rest, each pass overwriting the spill of
+  // the one before
+  for (int pass = 0, at = 0; pass < 2; ++pass)
+    for (int t0 = 0; t0 < T; t0 += L) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, tok_mask + t0 / 8, size_t(std::min(4, (T - t0 + 7) / 8)));
+      const __mmask16 valid = T - t0 >= L ? __mmask16(0xFFFF) : __mmask16((1u << (T - t0)) - 1);
+      const __mmask16 k = __mmask16(pass ? ~bits : bits) & valid;
+      const __m512i idx = _mm512_add_epi32(
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+          _mm512_set1_epi32(t0));
+      _mm512_storeu_si512(pos + at, _mm512_maskz_compress_epi32(k, idx));
+      at += __builtin_popcount(k);
+    }
+  return;
+#endif
   int il = n_protect;
   ip = 0;
   for (int t = 0; t < T; ++t) {  // branch-free: the mask bits are random
@@ -667,9 +700,10 @@ struct Scratch {
   std::vector<int> idx2, idxn, kpos, vpos;
   Scratch(const Format& f, int M)
       : words(size_t(f.D / 4 + 1) * f.TP), x(size_t(f.TP) * f.D + 2 * L), ss(size_t(M) * f.TP),
-        w(size_t(M) * f.D), w1(size_t(M) * f.D), cst(M), psum(M), meta(4 * size_t(f.D)),
-        qn(size_t(M) * f.D), u(size_t(M) * f.D), tabs(size_t(kMaxMB) * (f.D / 2) * L),
-        idx2(f.D), idxn(f.D), kpos(f.T), vpos(f.T) {}
+        w(size_t(M) * f.D + L), w1(size_t(M) * f.D + L), cst(M), psum(M),
+        meta(4 * size_t(f.D)), qn(size_t(M) * f.D + L), u(size_t(M) * f.D + L),
+        tabs(size_t(kMaxMB) * (f.D / 2) * L), idx2(f.D), idxn(f.D), kpos(f.T + L),
+        vpos(f.T + L) {}
 };
 
 // out[m * TP + i] += sum_j w[m * J + j] code(i, j) over rows [0, n) of J b-bit codes (rows
@@ -784,7 +818,11 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
   }
   // low tokens: 2-bit channels (chan_mask set) and 1-bit (FFT) components
   const uint8_t* cmask = st + d[VK_CHAN_MASK];
-  int j2 = 0, jn = 0;
+  int j2 = 0;
+#if defined(LOWBIT_FAST_CODES)
+  for (int c0 = 0; c0 < D; c0 += L) j2 += __builtin_popcount(mask16(cmask, c0));
+#else
+  int jn = 0;
   for (int c = 0; c < D; ++c) {  // branch-free: the mask bits are random
     const int bit = bit_at(cmask, c);
     s.idx2[j2] = c;
@@ -792,6 +830,7 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
     j2 += bit;
     jn += 1 - bit;
   }
+#endif
   TORCH_CHECK(j2 == n2, "lowbit-kv: chan_mask has ", j2, " bits set, not ", n2, " (corrupt page?)");
   float* scale2 = s.meta.data();
   float* zero2 = scale2 + D;
@@ -810,11 +849,24 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
   for (int m = 0; m < M; ++m) {
     const float* qm = q + m * D;
     float* w2m = w2 + m * n2;
+#if defined(LOWBIT_FAST_CODES)
+    // compress the query's channels by the mask (16-lane stores: the buffers have slack,
+    // and the spill past one vector's share is overwritten by the next)
+    for (int c0 = 0, a = 0, b = 0; c0 < D; c0 += L) {
+      const __mmask16 k = mask16(cmask, c0);
+      const __m512 v = _mm512_loadu_ps(qm + c0);
+      _mm512_storeu_ps(w2m + a, _mm512_maskz_compress_ps(k, v));
+      _mm512_storeu_ps(qn + m * n1 + b, _mm512_maskz_compress_ps(__mmask16(~k), v));
+      a += __builtin_popcount(k);
+      b += L - __builtin_popcount(k);
+    }
+#else
     for (int j = 0; j < n2; ++j) w2m[j] = qm[s.idx2[j]];
+    for (int j = 0; j < n1; ++j) qn[m * n1 + j] = qm[s.idxn[j]];
+#endif
     s.cst[m] = dot(w2m, zero2, n2);
 #pragma omp simd
     for (int j = 0; j < n2; ++j) w2m[j] *= scale2[j];
-    for (int j = 0; j < n1; ++j) qn[m * n1 + j] = qm[s.idxn[j]];
   }
   if (f.fft_map_t) {  // u = A q_N: the inverse transform moved onto the query
     LOWBIT_FOR_BLOCKS(M, mat_vec, f.fft_map_t, n1, qn, s.u.data())
