@@ -20,7 +20,11 @@ multiple of 16; any number of query heads per KV head. That covers ``vidkv``,
 ``vidkv_paper``, ``vidkv_stp``, ``vidkv_visual``, ``kivi2``, ``kivi4``,
 ``vidkv_k2v2``, ``vidkv_k15v2`` and the ``rvq*`` schemes. The kernel's arguments are
 derived from the :class:`~vllm_lowbit_kv.ops.page_format.PageFormat`
-(:class:`Descriptors`). One known difference from the reference codecs: they clamp
+(:class:`Descriptors`). The ISA is the build machine's (``-march=native``, one build
+folder per CPU): with AVX-512 (F, BW, VBMI) key code rows that are byte-aligned are
+transposed by byte permutes and 1-/2-bit key columns read through per-nibble lookup
+tables (T-MAC style), ternary and KIVI value codes decoded in registers; without it (or
+``LOWBIT_KV_CPU_MARCH=x86-64-v3``, as a test does) the portable paths run. One known difference from the reference codecs: they clamp
 decoded VidKV/ternary elements to +-65504, the kernel (which never rebuilds keys)
 does not; it only matters for K/V magnitudes near the fp16 limit. No store kernel: :data:`store`
 encodes with the codecs.

@@ -140,6 +140,13 @@ inline void halves_to_float(const uint8_t* src, int n, float* dst) {
 #if defined(__AVX512F__)
   for (; i + L <= n; i += L)
     _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + 2 * i))));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (i < n) {  // the tail: a masked load (no scalar conversions)
+    const __mmask16 k = __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(dst + i, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, src + 2 * i)));
+    return;
+  }
+#endif
 #endif
   for (; i < n; ++i) {
     uint16_t bits;
@@ -161,10 +168,18 @@ inline float dot(const float* a, const float* b, int n) {
     i += L;
   }
   if (i < n) {
+#if defined(__AVX512F__)
+    const __mmask16 k = __mmask16((1u << (n - i)) - 1);
+    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i));
+    vf xv;
+    std::memcpy(&xv, &x, sizeof xv);
+    s1 += xv;
+#else
     vf x = vf{}, y = vf{};
     std::memcpy(&x, a + i, sizeof(float) * size_t(n - i));
     std::memcpy(&y, b + i, sizeof(float) * size_t(n - i));
     s1 += x * y;
+#endif
   }
   return hsum(s0 + s1);
 }
@@ -262,6 +277,45 @@ inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
     }
   }
 }
+
+// acc_w[m * D + c] = sum_i p[m * TP + pos[i]] trit(i, c) for MB query vectors from m0, over
+// rows [0, n) of D trits (D a multiple of 64), decoded in registers: 64 bytes hold 320
+// trits, five vectors of 64 channels of one row each; nothing is stored in between.
+template <int MB>
+void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const float* p, int TP,
+                      float* acc_w, int m0) {
+  static const TritSimd c;
+  const int64_t bytes = (int64_t(n) * D + 4) / 5;
+  for (int c0 = 0; c0 < D; c0 += 64) {
+    __m512 acc[MB][4];
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
+    for (int i = 0; i < n; ++i) {
+      const int64_t u = (int64_t(i) * D + c0) / 64;  // 64-trit vector of the stream
+      const int64_t b0 = u / 5 * 64;
+      const int j = int(u % 5);
+      const __m512i raw = b0 + 64 <= bytes
+                              ? _mm512_loadu_si512(src + b0)
+                              : _mm512_maskz_loadu_epi8((1ull << (bytes - b0)) - 1, src + b0);
+      const __m512i g = _mm512_permutexvar_epi8(c.perm[j], raw);
+      const __m512i lo = trits16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(g)), c.mul[j][0]);
+      const __m512i hi = trits16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(g, 1)), c.mul[j][1]);
+      __m512 x[4];
+      x[0] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(lo)));
+      x[1] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(lo, 1)));
+      x[2] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(hi)));
+      x[3] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(hi, 1)));
+      const int at = pos[i];
+      for (int m = 0; m < MB; ++m) {
+        const __m512 pm = _mm512_set1_ps(p[(m0 + m) * TP + at]);
+        for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_fmadd_ps(x[v], pm, acc[m][v]);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc_w + (m0 + m) * D + c0 + v * L, acc[m][v]);
+  }
+}
+#define LOWBIT_FUSED_TRITS 1
 #else
 // Byte -> its five trits (base 3, value - 1); rows of 8 so one 8-byte copy writes a
 // byte's trits (the extra lanes are overwritten by the next byte).
@@ -998,6 +1052,18 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
     accumulate_codes(sv + d[TV_PROT_CODES], 2, pos, np, p, M, D, TP, scale, zero, acc, s);
   }
   halves_to_float(sv + d[TV_ALPHA], D, scale);
+#if defined(LOWBIT_FUSED_TRITS)
+  if (D % 64 == 0) {
+    LOWBIT_FOR_BLOCKS(M, ternary_row_sums, sv + d[TV_TRITS], n, D, pos + np, p, TP, s.w.data())
+    for (int m = 0; m < M; ++m) {
+      const float* wm = s.w.data() + m * D;
+      float* am = acc + m * D;
+#pragma omp simd
+      for (int c = 0; c < D; ++c) am[c] += scale[c] * wm[c];
+    }
+    return;
+  }
+#endif
   int8_t* trits = reinterpret_cast<int8_t*>(x);
   decode_trits(sv + d[TV_TRITS], n * D, trits);
   accumulate(DenseRows<int8_t>{trits, D}, pos + np, n, p, M, D, TP, scale, nullptr, acc, s);
