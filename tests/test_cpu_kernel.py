@@ -227,19 +227,15 @@ print("ok")
 """
 
 
-def test_portable_build_without_avx512(tmp_path):
-    """The kernel built for AVX2 only (no AVX-512: the scalar trit table, generic int8 and
-    code conversions, repacked code rows read column by column, narrower vectors) matches
-    the reference too (FORMATS and CODE_PATHS), in its own process
+def _check_build(tmp_path, march):
+    """PORTABLE_CHECK against the kernel built with -march=``march`` in its own process
     (its own build folder under tmp_path: no lock or library left by another run)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    if os.uname().machine != "x86_64":
-        pytest.skip("x86-64-v3 is an x86 target")
-    env = dict(os.environ, LOWBIT_KV_CPU_MARCH="x86-64-v3", VLLM_LOWBIT_KV_CACHE=str(tmp_path),
+    env = dict(os.environ, LOWBIT_KV_CPU_MARCH=march, VLLM_LOWBIT_KV_CACHE=str(tmp_path),
                OMP_NUM_THREADS=str(torch.get_num_threads()),
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
                                            os.environ.get("PYTHONPATH", "")]))
@@ -249,8 +245,38 @@ def test_portable_build_without_avx512(tmp_path):
             run = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, text=True,
                                  stdout=subprocess.PIPE, stderr=err, timeout=900)
         except subprocess.TimeoutExpired:
-            pytest.fail("portable build check timed out; its progress:\n" + stderr.read_text())
+            pytest.fail(f"{march} build check timed out; its progress:\n" + stderr.read_text())
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), stderr.read_text()[-3000:]
+
+
+def test_portable_build_without_avx512(tmp_path):
+    """The kernel built for AVX2 only (no AVX-512: the scalar trit table, generic int8 and
+    code conversions, repacked code rows read column by column, narrower vectors) matches
+    the reference too (FORMATS and CODE_PATHS)."""
+    import os
+
+    if os.uname().machine != "x86_64":
+        pytest.skip("x86-64-v3 is an x86 target")
+    _check_build(tmp_path, "x86-64-v3")
+
+
+def test_avx512_build_without_vbmi(tmp_path):
+    """The kernel built for AVX-512 without VBMI (Skylake-SP: AVX-512 conversions and masked
+    tails, but the trit table and repacked code rows, no byte-permute paths) matches the
+    reference too; skipped where this CPU cannot run AVX-512 BW/VL/DQ/CD."""
+    import os
+    from pathlib import Path
+
+    flags = set()
+    if os.uname().machine == "x86_64" and Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    need = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+    if not need <= flags:
+        pytest.skip(f"this CPU lacks {sorted(need - flags)}")
+    _check_build(tmp_path, "skylake-avx512")
 
 
 def test_dispatch_per_layout():

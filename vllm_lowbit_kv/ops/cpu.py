@@ -23,11 +23,12 @@ derived from the :class:`~vllm_lowbit_kv.ops.page_format.PageFormat`
 (:class:`Descriptors`). The ISA is the build machine's (``-march=native``, one build
 folder per CPU): with AVX-512 (F, BW, VBMI) key code rows that are byte-aligned are
 transposed by byte permutes and 1-/2-bit key columns read through per-nibble lookup
-tables (T-MAC style), ternary and KIVI value codes decoded in registers; without it (or
-``LOWBIT_KV_CPU_MARCH=x86-64-v3``, as a test does) the portable paths run. One known difference from the reference codecs: they clamp
-decoded VidKV/ternary elements to +-65504, the kernel (which never rebuilds keys)
-does not; it only matters for K/V magnitudes near the fp16 limit. No store kernel: :data:`store`
-encodes with the codecs.
+tables (T-MAC style), ternary values decoded in registers; KIVI value codes are decoded
+in registers everywhere; without VBMI (``LOWBIT_KV_CPU_MARCH=skylake-avx512``) or
+AVX-512 (``x86-64-v3``), as two tests build it, the portable paths run. One known
+difference from the reference codecs: they clamp decoded VidKV/ternary elements to
++-65504, the kernel (which never rebuilds keys) does not; it only matters for K/V
+magnitudes near the fp16 limit. No store kernel: :data:`store` encodes with the codecs.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ logger = logging.getLogger("vllm.lowbit_kv.ops")
 
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "packed_attention.cpp"
 #: target ISA: the build machine's own unless LOWBIT_KV_CPU_MARCH names another (the
-#: tests build an AVX2-only variant this way to run the portable code paths)
+#: tests build AVX2-only and AVX-512-without-VBMI variants this way to run the other paths)
 MARCH = os.environ.get("LOWBIT_KV_CPU_MARCH", "native")
 CFLAGS = ("-O3", f"-march={MARCH}", "-fopenmp")
 LDFLAGS = ("-fopenmp",)

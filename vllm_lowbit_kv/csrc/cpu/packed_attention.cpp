@@ -170,7 +170,8 @@ inline float dot(const float* a, const float* b, int n) {
   if (i < n) {
 #if defined(__AVX512F__)
     const __mmask16 k = __mmask16((1u << (n - i)) - 1);
-    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i));
+    const __m512 x =
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i));
     vf xv;
     std::memcpy(&xv, &x, sizeof xv);
     s1 += xv;
@@ -268,8 +269,8 @@ inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
                           : _mm512_maskz_loadu_epi8((1ull << (bytes - b0)) - 1, src + b0);
     for (int j = 0; j < 5 && 5 * b0 + 64 * j < n; ++j) {
       const __m512i g = _mm512_permutexvar_epi8(c.perm[j], v);
-      const __m256i lo =
-          _mm512_cvtepi16_epi8(trits16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(g)), c.mul[j][0]));
+      const __m256i lo = _mm512_cvtepi16_epi8(
+          trits16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(g)), c.mul[j][0]));
       const __m256i hi = _mm512_cvtepi16_epi8(
           trits16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(g, 1)), c.mul[j][1]));
       _mm512_storeu_si512(dst + 5 * b0 + 64 * j,
@@ -299,7 +300,8 @@ void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const fl
                               : _mm512_maskz_loadu_epi8((1ull << (bytes - b0)) - 1, src + b0);
       const __m512i g = _mm512_permutexvar_epi8(c.perm[j], raw);
       const __m512i lo = trits16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(g)), c.mul[j][0]);
-      const __m512i hi = trits16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(g, 1)), c.mul[j][1]);
+      const __m512i hi =
+          trits16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(g, 1)), c.mul[j][1]);
       __m512 x[4];
       x[0] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(lo)));
       x[1] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(lo, 1)));
@@ -455,7 +457,8 @@ void transpose_rows(const uint8_t* src, int n, int rb, uint32_t* words, int TP) 
     const uint8_t* blk = src + int64_t(tb) * rb;
     const int64_t avail = bytes - int64_t(tb) * rb;
     if (avail <= 0) {
-      for (int w = 0; w < p.W; ++w) _mm512_storeu_si512(words + w * TP + tb, _mm512_setzero_si512());
+      for (int w = 0; w < p.W; ++w)
+        _mm512_storeu_si512(words + w * TP + tb, _mm512_setzero_si512());
       continue;
     }
     if (avail < 64 * p.loads) {  // the last rows: never read past the stream
@@ -486,13 +489,15 @@ void build_tables(const float* w, int J, int bits, float* tabs, int m0) {
   const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
   __m512 code[4];
   for (int j = 0; j < per; ++j)
-    code[j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(pat, unsigned(j * bits)), mask));
+    code[j] =
+        _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(pat, unsigned(j * bits)), mask));
   for (int m = 0; m < MB; ++m) {
     const float* wm = w + (m0 + m) * J;
     float* tm = tabs + m * nib * L;
     for (int k = 0; k < nib; ++k) {
       __m512 t = _mm512_mul_ps(code[0], _mm512_set1_ps(wm[k * per]));
-      for (int j = 1; j < per; ++j) t = _mm512_fmadd_ps(code[j], _mm512_set1_ps(wm[k * per + j]), t);
+      for (int j = 1; j < per; ++j)
+        t = _mm512_fmadd_ps(code[j], _mm512_set1_ps(wm[k * per + j]), t);
       _mm512_storeu_ps(tm + k * L, t);
     }
   }
