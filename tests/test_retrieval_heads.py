@@ -54,36 +54,42 @@ def test_scores_are_sparse_cached_and_reused(model_dir, monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_retrieval_heads_decode_with_their_own_codecs(model_dir):
-    """In the transformers cache the chosen heads' K come back through kivi4's key codec,
-    the other heads' through vidkv's; values (keys only) through vidkv's."""
+    """In the transformers cache the chosen heads' K and V come back through kivi4's codecs,
+    the other heads' through vidkv's (and with retrieval_keys_only, V through vidkv's)."""
     from transformers import AutoModelForCausalLM
 
     from vllm_lowbit_kv.hf_cache import LowBitKVCache
     from vllm_lowbit_kv.hf_cache.layer import HeadSplitLayer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    scheme = get_scheme("vidkv").with_params(residual_tokens=0, sink_tokens=0)
-    cache = LowBitKVCache(scheme, model=model)
-    heads = rh.heads_by_layer(rh.top_heads(rh.model_scores(model_dir), 6))
-    assert cache.retrieval == heads
-    split = [i for i, layer in enumerate(cache.layers) if isinstance(layer, HeadSplitLayer)]
-    assert split == sorted(heads)
-    ids = torch.randint(100, 2000, (1, 128), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(100, 2000, (1, 256), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        model(ids, past_key_values=cache, use_cache=True)
         ref = model(ids, use_cache=True).past_key_values  # exact K/V of the same tokens
-    for i in split:
-        k_exact = ref.layers[i].keys  # [1, H, S, D]
-        layer = cache.layers[i]
-        kc_r, _ = scheme.retrieval_codecs(64, layer=i)
-        kc_b, vc_b = scheme.codecs(64, layer=i)
-        blocks = k_exact.float().reshape(1, 3, 2, 64, 64).permute(0, 2, 3, 1, 4)
-        for part, hs in zip(layer.parts, layer.heads):
-            dk = part._decode(part.key_codec, part.packed_k)  # [1, len(hs), 128, D]
-            codec = kc_r if part is layer.parts[-1] else kc_b
-            want = codec.decode(codec.encode(blocks[:, :, :, list(hs)]), torch.bfloat16)
-            want = want.permute(0, 3, 1, 2, 4).reshape(1, len(hs), 128, 64)
-            torch.testing.assert_close(dk.float(), want.float(), atol=0, rtol=0)
+    for keys_only in (False, True):
+        scheme = get_scheme("vidkv").with_params(residual_tokens=0, sink_tokens=0,
+                                                 retrieval_keys_only=keys_only)
+        G, S = scheme.block_tokens, ids.shape[1]
+        cache = LowBitKVCache(scheme, model=model)
+        heads = rh.heads_by_layer(rh.top_heads(rh.model_scores(model_dir), scheme.retrieval_heads))
+        assert cache.retrieval == heads
+        split = [i for i, layer in enumerate(cache.layers) if isinstance(layer, HeadSplitLayer)]
+        assert split == sorted(heads)
+        with torch.inference_mode():
+            model(ids, past_key_values=cache, use_cache=True)
+        for i in split:
+            layer = cache.layers[i]
+            codecs_r = scheme.retrieval_codecs(64, layer=i)
+            codecs_b = scheme.codecs(64, layer=i)
+            for side, exact in enumerate((ref.layers[i].keys, ref.layers[i].values)):  # [1, H, S, D]
+                blocks = exact.float().reshape(1, 3, S // G, G, 64).permute(0, 2, 3, 1, 4)
+                for part, hs in zip(layer.parts, layer.heads):
+                    got = part._decode(*((part.key_codec, part.packed_k), (part.value_codec, part.packed_v))[side])
+                    codec = (codecs_r if part is layer.parts[-1] else codecs_b)[side]
+                    want = codec.decode(codec.encode(blocks[:, :, :, list(hs)]), torch.bfloat16)
+                    want = want.permute(0, 3, 1, 2, 4).reshape(1, len(hs), S, 64)
+                    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=0)
+        values = type(cache.layers[split[0]].parts[-1].value_codec).__name__
+        assert values == ("TernaryValueCodec" if keys_only else "KiviCodec")
     # the retrieval part really is kivi4 (4 bits) and the rest VidKV
     assert type(cache.layers[split[0]].parts[-1].key_codec).__name__ == "KiviCodec"
     assert type(cache.layers[split[0]].parts[0].key_codec).__name__ == "VidKVKeyCodec"
@@ -112,11 +118,11 @@ def test_retrieval_heads_refused_with_learned_codecs():
 
 
 @pytest.mark.parametrize("parallel,lowbit,reason", [
-    (dict(tensor_parallel_size=3), {}, r"retrieval_heads 6 with tensor/pipeline parallelism"),
+    (dict(tensor_parallel_size=3), {}, r"retrieval_heads 7 with tensor/pipeline parallelism"),
     (dict(tensor_parallel_size=1, pipeline_parallel_size=2), {},
-     r"retrieval_heads 6 with tensor/pipeline parallelism"),
+     r"retrieval_heads 7 with tensor/pipeline parallelism"),
     (dict(tensor_parallel_size=1, pipeline_parallel_size=1),
-     {"eviction": "uniform", "retention": 0.5}, r"eviction with retrieval_heads 6"),
+     {"eviction": "uniform", "retention": 0.5}, r"eviction with retrieval_heads 7"),
 ])
 def test_vllm_refuses_what_retrieval_heads_cannot_serve(parallel, lowbit, reason):
     from types import SimpleNamespace

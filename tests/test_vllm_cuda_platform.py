@@ -93,7 +93,8 @@ def test_cuda_platform_serves_vidkv_with_the_gpu_kernels(gpu, impl):
             gpu.get_attn_backend_cls(None, AttentionSelectorConfig(kv_cache_dtype="vidkv",
                                                                    use_mla=True, **sel))
     # what each layer then runs: cuda first, then triton (auto takes the first)
-    layout = page_layout(get_scheme("vidkv"), HEAD_DIM, KV_HEADS, 64, torch.bfloat16)
+    layout = page_layout(get_scheme("vidkv"), HEAD_DIM, KV_HEADS, get_scheme("vidkv").block_tokens,
+                          torch.bfloat16)
     name, _ = select_implementation(layout, "cuda", impl, gqa=HEADS // KV_HEADS)
     assert name == ("cuda" if impl == "auto" else impl)
 
@@ -124,7 +125,8 @@ def test_auto_falls_back_in_order_on_a_gpu(gpu, monkeypatch):
     gpu.check_and_update_config(_config("quantile1"))
     quantile = page_layout(get_scheme("quantile1"), HEAD_DIM, KV_HEADS, 64, torch.bfloat16)
     assert select_implementation(quantile, "cuda", "auto", gqa=3)[0] == "torch"
-    vidkv = page_layout(get_scheme("vidkv"), HEAD_DIM, KV_HEADS, 64, torch.bfloat16)
+    vidkv = page_layout(get_scheme("vidkv"), HEAD_DIM, KV_HEADS, get_scheme("vidkv").block_tokens,
+                          torch.bfloat16)
 
     def no_nvcc(*args, **kwargs):
         raise RuntimeError("nvcc not found")

@@ -261,32 +261,22 @@ VIDKV_KEY = CodecSpec(VidKVKeyCodec, {"k": 0.5, "fft": True})
 VIDKV_VALUE = {"gamma": 0.7, "protect": 0.0}
 # vidkv: the best VidKV configuration at <= 2.25 bits per element at 8K tokens (and
 # <= 2.0 in the pages), picked by the yardstick. 4 exact sink tokens bring most of the
-# perplexity back (1.44x -> 1.08x bf16, bench/results/quality_tuning_hf.md) and a 64-token
-# residual window a little more. Retrieval (passkey) needs more: the needle must win a
-# softmax over thousands of filler keys, and 1.5-bit keys' noise drowns it. Few heads do
-# that copying (retrieval heads, Wu et al. 2024): the 6 of SmolLM2's 90 KV heads with the
-# highest retrieval scores keep 4-bit KIVI keys (values stay ternary), which takes passkey
-# from 5/16 to 13/16 (bf16 15/16) on the transformers engine; to pay for them the other
-# heads' keys give 2 bits to 3/8 of their channels instead of half (k = 0.375, no
-# measurable perplexity cost) and pages are 2048 tokens (the sink area paid once per page):
-# pages 1.99 bits, 2.24 at 8K with staging. No rotation: the Hadamard rotation lowers
+# perplexity back (1.44x -> 1.08x bf16, bench/results/quality_tuning_hf.md). Retrieval
+# (passkey) needs more: the needle must win a softmax over thousands of filler keys, and
+# the answer's first token is a close call even in bf16 at 2K-4K tokens on SmolLM2, so
+# small damage flips it. Few heads do that copying (retrieval heads, Wu et al. 2024): the
+# 7 of SmolLM2's 90 KV heads with the highest retrieval scores keep 4-bit KIVI keys and
+# values (their values matter too at 3K-4K tokens). They are paid for by 128-token groups
+# (the per-channel scales cost half as much, at no measurable loss) and no window beyond
+# the partial group, which is read in the model dtype anyway (0-127 tokens); 2048-token
+# pages pay the sink area once per page. Pages 1.98 bits, 2.23 at 8K with staging
+# (bench/results/quality_vllm_vidkv2.md). No rotation: the Hadamard rotation lowers
 # perplexity a little but costs retrieval (bench/results/quality_vllm.md).
-VIDKV_TUNED_KEY = CodecSpec(VidKVKeyCodec, {**VIDKV_KEY.params, "k": 0.375})
-register(KVScheme("vidkv", "VidKV: K 1.4-bit (range-selected 2/1-bit, FFT), V ternary "
-                           "per-channel; 6 retrieval heads with 4-bit keys; 4 exact sink tokens, "
-                           "64-token residual window",
-                  VIDKV_TUNED_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), sink_tokens=4,
-                  residual_tokens=64, page_tokens=2048, retrieval_heads=6,
-                  retrieval_keys_only=True))
-# vidkv_retrieval: the same VidKV codec with its retrieval heads kept at 4-bit KIVI keys
-# AND values (at 4K-token contexts the values of those heads matter too: passkey 5/8
-# against 2/8 with keys only, on the transformers engine), paid for by dropping the
-# residual window: pages 2.08 bits, 2.20 at 8K with staging.
-register(KVScheme("vidkv_retrieval", "VidKV: K 1.4-bit (range-selected 2/1-bit, FFT), V ternary "
-                                     "per-channel; 6 retrieval heads with 4-bit keys and values; "
-                                     "4 exact sink tokens, no residual window",
-                  VIDKV_TUNED_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), sink_tokens=4,
-                  residual_tokens=0, page_tokens=2048, retrieval_heads=6))
+register(KVScheme("vidkv", "VidKV: K 1.5-bit (range-selected 2/1-bit, FFT), V ternary "
+                           "per-channel, 128-token groups; 7 retrieval heads with 4-bit keys and "
+                           "values; 4 exact sink tokens",
+                  VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), block_tokens=128,
+                  sink_tokens=4, residual_tokens=0, page_tokens=2048, retrieval_heads=7))
 register(KVScheme("vidkv_paper", "VidKV as in the paper: K 1.5-bit FFT, V ternary per-channel, "
                                  "full-precision residual of the last 128 tokens, no sinks",
                   VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), residual_tokens=128))
