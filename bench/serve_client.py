@@ -68,7 +68,8 @@ def measure(model: str, dtype: str, args, preload: str = "on") -> dict:
         result = json.loads(next(Path(d).glob("*.json")).read_text())
         impls = s.attention_impls()
         line = PRELOAD_LINE.findall(s.log.read_text())
-    return dict(dtype=dtype, preload=preload, ld_preload=line[0] if line else None,
+    ld_preload = portable.portable(line[0]) if line else None  # a repo path as the repo's
+    return dict(dtype=dtype, preload=preload, ld_preload=ld_preload,
                 attention_impls=impls, completed=result["completed"], **{m: result[m] for m in METRICS})
 
 
