@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm_lowbit_kv.schemes import get_scheme  # noqa: E402
 from _servers import (LOWBIT, NUM_BLOCKS, STATS_ROUTE, get_json, long_prompt,  # noqa: E402
                       metric, metrics_text, model_name, wait_idle)
 
@@ -71,8 +72,9 @@ def test_static_figures_match_vllm_and_the_backend(server):
     assert cap["bf16_equivalent_tokens"] == bf16_tokens
     assert cap["x_bf16"] == pytest.approx(cap["tokens"] / bf16_tokens, abs=1e-4)
 
-    # --max-num-seqs 4, each with its 2-group residual window and its partial group
-    assert stats["staging"]["slots_total"] == 4 * 3 * stats["staging"]["pools"]
+    # --max-num-seqs 4, each with its residual window's groups and its partial group
+    groups = LOWBIT["residual_tokens"] // get_scheme("vidkv").block_tokens + 1
+    assert stats["staging"]["slots_total"] == 4 * groups * stats["staging"]["pools"]
     assert stats["eviction"] == {"enabled": False, "evicted_pairs": 0}
     assert stats["worker_error"] is None
 
