@@ -19,7 +19,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from _servers import (COMMON, fluent, long_prompt, metric, model_name, post,  # noqa: E402
+from _servers import (COMMON, LOWBIT, fluent, long_prompt, metric, model_name, post,  # noqa: E402
                       start_server, wait_idle)
 from vllm_lowbit_kv.schemes import SCHEMES, get_scheme  # noqa: E402
 from vllm_lowbit_kv.vllm import BACKEND_PATH  # noqa: E402
@@ -134,8 +134,10 @@ def test_config_logged_once_with_effective_bits(server):
     assert "protect=0.2" in lines[0] and "sink_tokens=4" in lines[0] and "skip_layers=[0]" in lines[0]
     assert "(STP relevance)" in lines[0] and "Effective bits/element" in lines[0]
     # layer 0 gets vLLM's own bf16 attention, the other 29 our packed pages (one line per
-    # page size: layers with retrieval heads hold larger pages)
-    layers = re.findall(r"lowbit-kv pages: \d+ bytes per block .*; (\d+) layers; staging: 12 slots",
+    # page size: layers with retrieval heads hold larger pages); staging: 4 sequences, each
+    # with its window's groups and its partial group
+    slots = 4 * (LOWBIT["residual_tokens"] // get_scheme("vidkv").block_tokens + 1)
+    layers = re.findall(rf"lowbit-kv pages: \d+ bytes per block .*; (\d+) layers; staging: {slots} slots",
                         log)
     assert sum(map(int, layers)) == 29 and len(layers) > 1, layers
     assert "staging pool" not in log and "Traceback" not in log
