@@ -241,6 +241,60 @@ def test_unservable_models_are_refused_with_the_reason(model_dir, model_kw, reas
         check_vllm_config(cfg, CpuPlatform)
 
 
+def _layer_specs(cfg) -> dict:
+    """Every attention layer's KV cache spec as the engine builds it for ``cfg`` (bf16
+    layers for ``auto`` and skip_layers; our page specs, with the layer index our
+    get_kv_cache_spec patch attaches, for the others)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_lowbit_kv.vllm.backend import LowBitKVBackend
+    from vllm_lowbit_kv.vllm.resolve import SPEC_LAYER_ATTR
+
+    cfg.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves for us
+    skip = set(cfg.cache_config.kv_cache_dtype_skip_layers)
+    specs = {}
+    for i in range(LAYERS):
+        bf16 = cfg.cache_config.cache_dtype == "auto" or str(i) in skip
+        s = FullAttentionSpec(block_size=cfg.cache_config.block_size, num_kv_heads=KV_HEADS,
+                              head_size=HEAD_DIM, dtype=torch.bfloat16 if bf16 else torch.uint8)
+        object.__setattr__(s, SPEC_LAYER_ATTR, i)
+        specs[f"model.layers.{i}.self_attn.attn"] = s if bf16 else LowBitKVBackend.customize_spec(s)
+    return specs
+
+
+def test_budget_that_staging_leaves_too_small_is_refused_with_the_sizes(model_dir):
+    """The KV budget pays staging for --max-num-seqs sequences first; when the pages left
+    cannot hold one --max-model-len request (and the pool's null block), start-up stops with both sizes and how many
+    sequences would fit, not with vLLM's "0.0 GiB available"."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.core.kv_cache_utils import max_memory_usage_bytes
+
+    from vllm_lowbit_kv.vllm.patches import _budget_less_staging
+    from vllm_lowbit_kv.vllm.resolve import staging_bytes
+
+    cfg = _vllm_config(model_dir, "vidkv")
+    cfg.scheduler_config.max_num_seqs = 32
+    with set_current_vllm_config(cfg):
+        specs = _layer_specs(cfg)
+        staged = staging_bytes(cfg)
+        needed = max_memory_usage_bytes(cfg, specs.values()) + sum(s.page_size_bytes
+                                                                   for s in specs.values())
+        per_seq = staged // 32
+        assert staged == 32 * per_seq > needed > 0
+
+        def available(budget):
+            worker = SimpleNamespace(vllm_config=cfg, get_kv_cache_spec=lambda: specs)
+            return _budget_less_staging(lambda self: budget)(worker)
+
+        assert available(staged + needed) == needed
+        # one byte short: one sequence's staging less would fit
+        with pytest.raises(ValueError, match=r"for --max-num-seqs 32 sequences takes "
+                                             r".* --max-model-len 2048 needs .*at most 31 fit"):
+            available(staged + needed - 1)
+        with pytest.raises(ValueError, match=r"at most 0 fit"):
+            available(needed - 1)
+
+
 @pytest.mark.parametrize("lowbit", [None, {"skip_layers": [0, 29], "sink_tokens": 4}])
 def test_allocator_capacity_scales_with_bits(model_dir, lowbit, rvq_codebook_file):
     """vLLM's own allocator (get_kv_cache_configs) on our specs: 1 GiB holds
@@ -248,24 +302,11 @@ def test_allocator_capacity_scales_with_bits(model_dir, lowbit, rvq_codebook_fil
     a codebook file made for the model)."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    from vllm_lowbit_kv.vllm.backend import LowBitKVBackend
-    from vllm_lowbit_kv.vllm.resolve import SPEC_LAYER_ATTR
 
     def tokens(dtype, lb):
         cfg = _vllm_config(model_dir, dtype, lb)
-        cfg.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves for us
-        skip = set(cfg.cache_config.kv_cache_dtype_skip_layers)
         with set_current_vllm_config(cfg):
-            specs = {}
-            for i in range(LAYERS):
-                bf16 = dtype == "auto" or str(i) in skip
-                s = FullAttentionSpec(block_size=cfg.cache_config.block_size, num_kv_heads=KV_HEADS,
-                                      head_size=HEAD_DIM, dtype=torch.bfloat16 if bf16 else torch.uint8)
-                object.__setattr__(s, SPEC_LAYER_ATTR, i)  # as our get_kv_cache_spec patch does
-                specs[f"model.layers.{i}.self_attn.attn"] = s if bf16 else LowBitKVBackend.customize_spec(s)
-            kc = get_kv_cache_configs(cfg, [specs], [2**30])[0]
+            kc = get_kv_cache_configs(cfg, [_layer_specs(cfg)], [2**30])[0]
         return kc.num_blocks * cfg.cache_config.block_size
 
     bf16 = tokens("auto", None)

@@ -171,20 +171,35 @@ def _name_spec_layer(original: Callable) -> Callable:
 def _budget_less_staging(original: Callable) -> Callable:
     """``determine_available_memory`` runs after the model (so our attention layers) is
     built: the budget less the staging bytes, so vLLM's page count, its ``KV cache size:
-    N tokens`` and every capacity figure include the staging memory."""
+    N tokens`` and every capacity figure include the staging memory. When staging leaves
+    too little for one ``--max-model-len`` request, refuse with the sizes (vLLM's own check
+    would only say that the pages' share, rounded to 0.0 GiB, is too small)."""
     def determine_available_memory(self) -> int:
         budget = original(self)
-        if not is_lowbit_dtype(self.vllm_config.cache_config.cache_dtype):
+        cfg = self.vllm_config
+        if not is_lowbit_dtype(cfg.cache_config.cache_dtype):
             return budget
+        from vllm.v1.core.kv_cache_utils import max_memory_usage_bytes
+
         from .resolve import staging_bytes
 
-        staged = staging_bytes(self.vllm_config)
-        if staged >= budget:
+        staged = staging_bytes(cfg)
+        specs = self.get_kv_cache_spec().values()
+        # one request's pages plus the null block vLLM's pool keeps back (a block per layer)
+        needed = max_memory_usage_bytes(cfg, specs) + sum(s.page_size_bytes for s in specs)
+        if budget - staged < needed:
+            seqs = cfg.scheduler_config.max_num_seqs
+            fits = max(0, (budget - needed) * seqs // staged)
+            mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
             raise ValueError(
-                f"lowbit-kv: staging needs {staged / 2**20:.1f} MiB (residual window and partial "
-                f"group of --max-num-seqs sequences) but the KV cache budget is only "
-                f"{budget / 2**20:.1f} MiB: raise VLLM_CPU_KVCACHE_SPACE / "
-                "--kv-cache-memory-bytes or lower --max-num-seqs or residual_tokens")
+                f"lowbit-kv: staging (residual window and partial group, in the model dtype) "
+                f"for --max-num-seqs {seqs} sequences takes {mib(staged)} of the "
+                f"{mib(budget)} KV cache budget, leaving {mib(max(0, budget - staged))} of "
+                f"pages, and one request of --max-model-len "
+                f"{cfg.model_config.max_model_len} needs {mib(needed)} of them: lower "
+                f"--max-num-seqs (at most {fits} fit this budget), raise "
+                "VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes, or lower --max-model-len "
+                "or residual_tokens")
         logger.info("lowbit-kv: KV cache budget %.1f MiB = %.1f MiB of pages + %.1f MiB of "
                     "staging", budget / 2**20, (budget - staged) / 2**20, staged / 2**20)
         return budget - staged
