@@ -57,7 +57,7 @@ class PagedModel:
         # layers with retrieval heads hold pages of two formats, as in the vLLM backend
         retrieval = model_retrieval_heads(model.config._name_or_path, scheme.retrieval_heads) \
             if scheme.retrieval_heads else {}
-        self.layouts = [scheme_layout(scheme, D, H, bs, layer=layer,
+        self.layouts = [scheme_layout(scheme, D, H, bs, model.dtype, layer=layer,
                                       retrieval_heads=retrieval.get(layer, ()))
                         for layer in range(cfg.num_hidden_layers)]
         self.obs_window = OBS_WINDOW if scheme.uses_relevance else None

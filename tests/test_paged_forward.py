@@ -30,18 +30,17 @@ def model_dir():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme,rel", [("vidkv", 2e-3), ("kivi2", 1e-3)])
-def test_paged_path_equals_the_transformers_cache(model_dir, scheme, rel):
-    """Pages, staging, window, sinks and rotation read as hf_cache reads its blocks: the
-    two engines' perplexities agree within 0.1% (768 tokens, 3 chunks: later chunks read
-    pages). In float32, so that the engines' arithmetic differs only in summation order
-    and where the rotation is applied (query vs keys); in bf16 the two attention paths
-    alone move perplexity by about 1%. vidkv within 0.2%: summation order moves a few
-    codes across a rounding step, and its 128-token groups with sinks and 4-bit retrieval
-    values move perplexity by 0.106% that way (without the sinks 0.003%, with 64-token
-    groups 0.05%, keys-only retrieval heads 0.007%)."""
+@pytest.mark.parametrize("scheme", ["vidkv", "kivi2"])
+def test_paged_path_equals_the_transformers_cache(model_dir, scheme):
+    """Pages, staging, window, sinks, retrieval heads and rotation read as hf_cache reads
+    its blocks: the two engines' perplexities agree within 1e-5 (768 tokens, 3 chunks:
+    later chunks read pages). In float32, so that the engines' arithmetic differs only in
+    summation order and where the rotation is applied (query vs keys); measured 1e-6 and
+    below. (Sink rows kept in bf16 beside float32 activations moved vidkv's by 0.1%: the
+    pages hold sinks in the model dtype.) In bf16 the two attention paths alone move
+    perplexity by about 1%."""
     (row,) = run(model_dir, scheme, "cpu", 768, 256, ["auto"], torch.float32)
-    assert row["ppl"] == pytest.approx(row["ppl_hf_cache"], rel=rel)
+    assert row["ppl"] == pytest.approx(row["ppl_hf_cache"], rel=1e-5)
     assert row["ppl"] > row["ppl_bf16"] * 0.99 and row["max_logit_diff_vs_cpu"] == 0
 
 
