@@ -73,7 +73,7 @@ def test_static_figures_match_vllm_and_the_backend(server):
     assert cap["x_bf16"] == pytest.approx(cap["tokens"] / bf16_tokens, abs=1e-4)
 
     # --max-num-seqs 4, each with its residual window's groups and its partial group
-    groups = LOWBIT["residual_tokens"] // get_scheme("vidkv").block_tokens + 1
+    groups = get_scheme("vidkv").with_params(residual_tokens=LOWBIT["residual_tokens"]).staged_groups
     assert stats["staging"]["slots_total"] == 4 * groups * stats["staging"]["pools"]
     assert stats["eviction"] == {"enabled": False, "evicted_pairs": 0}
     assert stats["worker_error"] is None

@@ -136,7 +136,7 @@ def test_config_logged_once_with_effective_bits(server):
     # layer 0 gets vLLM's own bf16 attention, the other 29 our packed pages (one line per
     # page size: layers with retrieval heads hold larger pages); staging: 4 sequences, each
     # with its window's groups and its partial group
-    slots = 4 * (LOWBIT["residual_tokens"] // get_scheme("vidkv").block_tokens + 1)
+    slots = 4 * get_scheme("vidkv").with_params(residual_tokens=LOWBIT["residual_tokens"]).staged_groups
     layers = re.findall(rf"lowbit-kv pages: \d+ bytes per block .*; (\d+) layers; staging: {slots} slots",
                         log)
     assert sum(map(int, layers)) == 29 and len(layers) > 1, layers
