@@ -20,7 +20,7 @@ from .codecs.dynamic import DynamicCodec
 from .codecs.kivi import KiviCodec
 from .codecs.quantile1 import QuantileCodec
 from .codecs.rvq import RVQKeyCodec, RVQValueCodec
-from .codecs.vidkv import PROTECT_FIRST, TernaryValueCodec, VidKVKeyCodec
+from .codecs.vidkv import TernaryValueCodec, VidKVKeyCodec, require_protect_first
 from .rotation import ROTATIONS, HadamardRotation
 
 #: KIVI's and VidKV's full-precision residual (R = 128 tokens)
@@ -213,8 +213,7 @@ class KVScheme:
                 self.page_tokens)
         require(self.rotate in ROTATIONS, "rotate", f"one of {list(ROTATIONS)}", self.rotate)
         require(isinstance(self.rotate_seed, int), "rotate_seed", "an int", self.rotate_seed)
-        require(self.protect_first in PROTECT_FIRST, "protect_first",
-                f"one of {list(PROTECT_FIRST)}", self.protect_first)
+        require_protect_first(self.protect_first)
         require(self.protect_first == "visual" or self.uses_relevance, "protect_first",
                 "'visual' unless the scheme protects tokens (protect > 0)", self.protect_first)
         if self.rotate != "none":

@@ -262,6 +262,11 @@ def one_bit_dequantize(bits: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -
 PROTECT_FIRST = ("visual", "text")
 
 
+def require_protect_first(value: str) -> None:
+    """Refuse a ``protect_first`` that is not one of :data:`PROTECT_FIRST`, naming the field."""
+    require(value in PROTECT_FIRST, "protect_first", f"one of {list(PROTECT_FIRST)}", value)
+
+
 class _STPCodec(BlockCodec):
     """Token split for STP; subclasses code the unprotected tokens (``_low_*``)."""
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..codecs.base import BlockCodec, require
-from ..codecs.vidkv import PROTECT_FIRST
+from ..codecs.vidkv import require_protect_first
 from ..ops.page_format import PageFormat
 from ..rotation import HadamardRotation
 
@@ -32,8 +32,9 @@ def rank_protected(relevance: torch.Tensor, visual: torch.Tensor, first: str = "
       rows text leaves over.
 
     Groups whose tokens are all of one kind keep their order as it is. One definition
-    for the pages and the transformers cache, so the two store the same bytes."""
-    require(first in PROTECT_FIRST, "protect_first", f"one of {list(PROTECT_FIRST)}", first)
+    for the pages and the transformers cache, so the two store the same bytes. ``first``
+    was checked where it was set (:class:`~vllm_lowbit_kv.schemes.KVScheme`,
+    :class:`PagedLayout`)."""
     chosen = visual if first == "visual" else ~visual
     mixed = chosen.any(dim=1) & ~chosen.all(dim=1)
     if not bool(mixed.any()):
@@ -103,8 +104,7 @@ class PagedLayout(PageBits):
         self.sink_tokens, self.sink_dtype = sink_tokens, sink_dtype
         #: K and V head vectors are rotated before encoding (codec space = rotated space)
         self.rotation = rotation
-        require(protect_first in PROTECT_FIRST, "protect_first", f"one of {list(PROTECT_FIRST)}",
-                protect_first)
+        require_protect_first(protect_first)
         #: which tokens of a group STP protects first (:func:`rank_protected`)
         self.protect_first = protect_first
         self._elt = torch.empty(0, dtype=sink_dtype).element_size()
