@@ -77,7 +77,7 @@ Schemes with learned codebooks (the ``rvq*`` schemes) need a codebook file
 made for the model: ``--scheme-params`` can name one per scheme; otherwise the
 default calibration of ``python -m vllm_lowbit_kv.calibrate --kv-cache-dtype
 NAME --seed SEED`` is used (its file in the cache, calibrated on first use on
-the held-out calibration text; :func:`vllm_lowbit_kv.calibrate.ensure_codebook`).
+the held-out calibration text; :func:`vllm_lowbit_kv.calibrate.default_codebook`).
 Each row records the file, its sha256, size and the command that made it.
 """
 
@@ -1018,9 +1018,8 @@ def scheme_params(rows: Sequence[Variant], args: argparse.Namespace
     """Per row label: its scheme parameters (``--scheme-params`` of its scheme, then of its
     label, then its variant modifiers; plus the default codebook file for schemes with
     learned codebooks that name none) and a record of each codebook file."""
-    from vllm_lowbit_kv.calibrate import CalibrationConfig, ensure_codebook
+    from vllm_lowbit_kv.calibrate import default_codebook
     from vllm_lowbit_kv.codecs.rvq import RVQCodebooks
-    from vllm_lowbit_kv.schemes import SCHEMES
 
     known = {v.scheme for v in rows} | {v.label for v in rows}
     unknown = sorted(set(args.scheme_params) - known)
@@ -1033,11 +1032,11 @@ def scheme_params(rows: Sequence[Variant], args: argparse.Namespace
         p = {**args.scheme_params.get(v.scheme, {}), **args.scheme_params.get(v.label, {}), **v.mods}
         if p:
             params[v.label] = p
-        if v.scheme not in SCHEMES or not SCHEMES[v.scheme].key.accepts("codebook"):
-            continue
         if "codebook" not in p:
-            path = ensure_codebook(args.model, CalibrationConfig(scheme=v.scheme, seed=args.seed),
-                                   progress=not args.no_progress)
+            path = default_codebook(args.model, v.scheme, seed=args.seed,
+                                    progress=not args.no_progress)
+            if path is None:  # no learned codebooks
+                continue
             params.setdefault(v.label, {})["codebook"] = str(path)
         path = Path(params[v.label]["codebook"])
         books = RVQCodebooks.load(path)

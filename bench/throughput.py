@@ -245,15 +245,12 @@ def add_ratios(rows: list[dict]) -> None:
 
 def codebook_config(model: str, dtype: str) -> dict[str, str] | None:
     """The lowbit_kv fields a scheme with learned codebooks (``rvq*``) needs: the model's
-    default codebook file, calibrated on first use (:func:`~vllm_lowbit_kv.calibrate.ensure_codebook`);
+    default codebook file, calibrated on first use (:func:`~vllm_lowbit_kv.calibrate.default_codebook`);
     None for every other dtype."""
-    from vllm_lowbit_kv.schemes import SCHEMES
+    from vllm_lowbit_kv.calibrate import default_codebook
 
-    if dtype not in SCHEMES or not SCHEMES[dtype].key.accepts("codebook"):
-        return None
-    from vllm_lowbit_kv.calibrate import CalibrationConfig, ensure_codebook
-
-    return {"codebook": str(ensure_codebook(model, CalibrationConfig(scheme=dtype), progress=False))}
+    path = default_codebook(model, dtype, progress=False)
+    return None if path is None else {"codebook": str(path)}
 
 
 def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]:

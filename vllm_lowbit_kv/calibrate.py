@@ -42,7 +42,7 @@ Reproducible: the same arguments on the same machine give the same file (all
 randomness comes from ``--seed``). Without ``--out`` the file goes to
 ``<cache>/codebooks/<model>/<scheme>-k<K>c<C>g<group>-seed<seed>-<hash>.safetensors``,
 the hash covering every setting and the text, and an existing file is reused
-(:func:`ensure_codebook`, what ``bench.quality`` calls). Time for SmolLM2 on
+(:func:`ensure_codebook`; :func:`default_codebook`, what the benches call). Time for SmolLM2 on
 the whole 5,101-token text, one thread, on this project's 2-core machine while
 shared with other jobs (load 10-25): rvq2x256 2.0 min, rvq4x256 2.4 min,
 rvq8x256 3.2 min, rvq (K=8, C=2048) 20 min.
@@ -336,6 +336,17 @@ def ensure_codebook(model_dir: str | Path, cfg: CalibrationConfig, *, progress: 
                           command=cfg.command(model_dir, out, None))
         books.save(out)
     return out
+
+
+def default_codebook(model_dir: str | Path, scheme: str, *, seed: int = 0,
+                     progress: bool = True) -> Path | None:
+    """:func:`ensure_codebook` of the default calibration of ``scheme`` for this model;
+    None for a scheme without learned codebooks (every one but the ``rvq*`` schemes)."""
+    from .schemes import SCHEMES
+
+    if scheme not in SCHEMES or not SCHEMES[scheme].key.accepts("codebook"):
+        return None
+    return ensure_codebook(model_dir, CalibrationConfig(scheme=scheme, seed=seed), progress=progress)
 
 
 # ----------------------------------------------------------------------------- CLI
