@@ -31,7 +31,7 @@ from bench import machine
 from vllm_lowbit_kv.ops import select_implementation
 from vllm_lowbit_kv.paged import (HeadSplitLayout, Staging, StagingAllocator, forward_layer,
                                   forward_split_layer, scheme_layout)
-from vllm_lowbit_kv.retrieval_heads import model_retrieval_heads
+from vllm_lowbit_kv.retrieval_heads import model_retrieval_heads, part_implementations
 from vllm_lowbit_kv.schemes import KVScheme, get_scheme
 
 ATTENTION = "lowbit_kv_paged_forward"
@@ -70,9 +70,13 @@ class PagedModel:
         self.alloc = StagingAllocator(slots, T, scheme.sink_tokens, scheme.residual_tokens // T)
         self.attention_impl, self.packed_attention = select_implementation(
             scheme_layout(scheme, D, H, bs), device, attention_impl, gqa=Hq // H)
-        self.retrieval_attention = select_implementation(
+        retrieval_attention = select_implementation(
             scheme_layout(scheme, D, H, bs, retrieval_heads=tuple(range(H))), device,
             attention_impl, gqa=Hq // H)[1] if scheme.retrieval_heads else None
+        #: per layer, the implementation reading each part of its pages (as the backend)
+        self.part_attention = [part_implementations(retrieval.get(layer, ()), H,
+                                                    self.packed_attention, retrieval_attention)
+                               for layer in range(cfg.num_hidden_layers)]
         self.length = 0
         self._plans = None
         AttentionInterface.register(ATTENTION, self._attention)
@@ -87,10 +91,10 @@ class PagedModel:
         if isinstance(self.layouts[i], HeadSplitLayout):
             forward_split_layer(*self._plans, self.layouts[i], q, k, v, self.pages[i],
                                 self.staging[i], scaling, out, self.obs_window,
-                                [self.packed_attention, self.retrieval_attention])
+                                self.part_attention[i])
         else:
             forward_layer(*self._plans, self.layouts[i], q, k, v, self.pages[i], self.staging[i],
-                          scaling, out, self.obs_window, self.packed_attention)
+                          scaling, out, self.obs_window, self.part_attention[i][0])
         return out[None], None
 
     @torch.inference_mode()

@@ -12,12 +12,6 @@ from vllm_lowbit_kv.config import LowBitKVConfig, LowBitKVConfigError
 from vllm_lowbit_kv.schemes import get_scheme
 
 
-@pytest.fixture(scope="module")
-def model_dir():
-    from vllm_lowbit_kv.model import prepare_model
-    return str(prepare_model())
-
-
 def test_top_heads_and_layers():
     scores = torch.tensor([[0.1, 0.9, 0.0], [0.5, 0.5, 0.7], [0.0, 0.2, 0.95]])
     assert rh.top_heads(scores, 3) == ((0, 1), (1, 2), (2, 2))
@@ -145,3 +139,12 @@ def test_vllm_refuses_what_retrieval_heads_cannot_serve(parallel, lowbit, reason
                                      enable_prefix_caching=False))
     with pytest.raises(ValueError, match=f"vidkv cannot serve fake: .*{reason}"):
         check_vllm_config(cfg, CpuPlatform)
+
+
+def test_each_part_is_read_by_its_formats_implementation():
+    """The backend and bench.paged_forward pick a layer's implementations here: the
+    scheme's for the other heads, the retrieval one for retrieval heads, and the retrieval
+    one alone for a layer whose every KV head retrieves (a single-format layer)."""
+    assert rh.part_implementations((), 3, "scheme", "retrieval") == ["scheme"]
+    assert rh.part_implementations((2, 0), 3, "scheme", "retrieval") == ["scheme", "retrieval"]
+    assert rh.part_implementations((0, 1, 2), 3, "scheme", "retrieval") == ["retrieval"]

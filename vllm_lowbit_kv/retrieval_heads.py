@@ -169,6 +169,15 @@ def layer_parts(retrieval: Sequence[int], num_kv_heads: int) -> list[tuple[bool,
             if heads]
 
 
+def part_implementations(retrieval: Sequence[int], num_kv_heads: int, scheme_impl, retrieval_impl
+                         ) -> list:
+    """The packed-attention implementation reading each part of :func:`layer_parts`: the
+    scheme's for the other heads, the retrieval codecs' for the retrieval heads (a layer
+    whose every head retrieves has that part only)."""
+    return [retrieval_impl if is_retrieval else scheme_impl
+            for is_retrieval, _ in layer_parts(retrieval, num_kv_heads)]
+
+
 def query_heads(kv_heads: torch.Tensor, group: int) -> torch.Tensor:
     """The query heads (GQA: ``group`` per KV head, consecutive) of ``kv_heads``."""
     return (kv_heads[:, None] * group + torch.arange(group, device=kv_heads.device)).flatten()

@@ -34,6 +34,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from ..config import LowBitKVConfigError
 from ..kv_stats import ATTENTION_IMPLS, VISUAL
 from ..ops import select_implementation
+from ..retrieval_heads import part_implementations
 from ..paged import (HeadSplitLayout, PagedLayout, ReadPlan, Staging, StagingAllocator, WritePlan,
                      forward_layer, forward_split_layer,
                      protected_visual)
@@ -336,6 +337,8 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
                                         head_size, self.model_dtype,
                                         num_heads if self.obs_window else None, device=device)
         self._layout: PagedLayout | HeadSplitLayout | None = None
+        #: the implementation reading each part of this layer's pages (set with _layout)
+        self._part_attention: list = []
 
     def _layout_for(self, kv_cache: torch.Tensor, layer_name: str) -> PagedLayout | HeadSplitLayout:
         # kv_cache: uint8 [num_blocks, H, N, C] (no sinks) or [num_blocks, H, 1, P], or
@@ -357,8 +360,9 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
             self._layout = layout(n_groups * self.T)
             assert self._layout.page_bytes == kv_cache[0].numel(), (kv_cache.shape,
                                                                     self._layout.page_bytes)
-            if len(retrieval_layers().get(layer, ())) == self.num_kv_heads:
-                self.packed_attention = self.retrieval_attention  # every head retrieves
+            self._part_attention = part_implementations(
+                retrieval_layers().get(layer, ()), self.num_kv_heads, self.packed_attention,
+                self.retrieval_attention)
         return self._layout
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -381,9 +385,9 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
         if isinstance(layout, HeadSplitLayout):  # never compacted: eviction is refused
             forward_split_layer(attn_metadata.write, attn_metadata.read, layout, query, key, value,
                                 kv_cache, self.staging, self.scale, out, self.obs_window,
-                                [self.packed_attention, self.retrieval_attention])
+                                self._part_attention)
             return output
         forward_layer(attn_metadata.write, attn_metadata.read_for(layer.layer_name, layout), layout,
                       query, key, value, kv_cache,
-                      self.staging, self.scale, out, self.obs_window, self.packed_attention)
+                      self.staging, self.scale, out, self.obs_window, self._part_attention[0])
         return output
