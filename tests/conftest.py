@@ -41,6 +41,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def model_dir():
+    """The embedded model's folder (prepared on first use)."""
+    from vllm_lowbit_kv.model import prepare_model
+    return str(prepare_model())
+
+
+@pytest.fixture(scope="session")
 def rvq_codebook_file(tmp_path_factory):
     """``(scheme name) -> path`` of an RVQ codebook file for the embedded SmolLM2
     (30 layers, 3 KV heads, head_dim 64) with seeded random codes: for tests of

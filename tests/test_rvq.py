@@ -274,19 +274,12 @@ def test_missing_unreadable_and_absent_files_are_refused(tmp_path):
     assert "set the lowbit_kv field 'codebook'" in reason
 
 
-def test_vllm_config_refuses_codebook_of_another_model(tmp_path, rvq_codebook_file):
+def test_vllm_config_refuses_codebook_of_another_model(tmp_path, rvq_codebook_file, model_dir):
     pytest.importorskip("vllm")
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
-
-    from vllm_lowbit_kv.model import prepare_model
-    from vllm_lowbit_kv.vllm.plugin import register
-    register()
-    model_dir = str(prepare_model())
+    from _vllm_config import vllm_config
 
     def build(lowbit):
-        return VllmConfig(model_config=ModelConfig(model=model_dir, max_model_len=512),
-                          cache_config=CacheConfig(cache_dtype="rvq4x256"),
-                          additional_config={"lowbit_kv": lowbit})
+        return vllm_config(model_dir, "rvq4x256", lowbit, max_model_len=512)
 
     other = str(make_books(4, 256, 32, 64, name="Llama-3-8B", layers=32, kv_heads=8)
                 .save(tmp_path / "llama.safetensors"))
@@ -301,12 +294,6 @@ def test_vllm_config_refuses_codebook_of_another_model(tmp_path, rvq_codebook_fi
 
 
 # --------------------------------------------------------------------------- calibration
-@pytest.fixture(scope="module")
-def model_dir():
-    from vllm_lowbit_kv.model import prepare_model
-    return str(prepare_model())
-
-
 @pytest.fixture(scope="module")
 def real_kv(model_dir):
     """Real K/V of the embedded model: 768 tokens of the calibration text (learning) and

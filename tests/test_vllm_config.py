@@ -138,56 +138,47 @@ def test_launcher_refuses_bad_config_before_vllm_starts(tmp_path):
 
 vllm = pytest.importorskip("vllm")
 
+from _vllm_config import vllm_config  # noqa: E402
 
-@pytest.fixture(scope="module")
-def model_dir():
-    from vllm_lowbit_kv.model import prepare_model
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugin_registered():
+    """Our dtypes and hooks in vLLM's tables, as the engine's plugin loading does."""
     from vllm_lowbit_kv.vllm.plugin import register
-
     register()
-    return str(prepare_model())
-
-
-def _vllm_config(model_dir, dtype, lowbit=None, **cache_kw):
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
-
-    add = {} if lowbit is None else {"lowbit_kv": lowbit}
-    return VllmConfig(model_config=ModelConfig(model=model_dir, max_model_len=2048),
-                      cache_config=CacheConfig(cache_dtype=dtype, **cache_kw),
-                      additional_config=add)
 
 
 def test_vllm_config_validates_and_maps_skip_layers(model_dir):
-    cfg = _vllm_config(model_dir, "vidkv_stp", {"skip_layers": [0, 29], "sink_tokens": 4})
+    cfg = vllm_config(model_dir, "vidkv_stp", {"skip_layers": [0, 29], "sink_tokens": 4})
     assert cfg.cache_config.kv_cache_dtype_skip_layers == ["0", "29"]
     with pytest.raises(ValueError, match=r"vidkv: lowbit_kv config: unknown field 'gama'"):
-        _vllm_config(model_dir, "vidkv", {"gama": 0.5})
+        vllm_config(model_dir, "vidkv", {"gama": 0.5})
     with pytest.raises(ValueError, match=r"cannot serve .*skip_layers must be layer indices in \[0, 30\)"):
-        _vllm_config(model_dir, "vidkv", {"skip_layers": [30]})
+        vllm_config(model_dir, "vidkv", {"skip_layers": [30]})
     # stock dtypes are untouched; a stray lowbit_kv entry is ignored
-    assert _vllm_config(model_dir, "auto", {"skip_layers": [1]}).cache_config \
+    assert vllm_config(model_dir, "auto", {"skip_layers": [1]}).cache_config \
         .kv_cache_dtype_skip_layers == []
 
 
 def test_forced_attention_impl_is_checked_at_startup(model_dir, monkeypatch):
     """attention_impl (or LOWBIT_KV_ATTENTION_IMPL) naming an implementation that cannot run
     the scheme on this device stops the server with the reason; auto never does."""
-    _vllm_config(model_dir, "vidkv", {"attention_impl": "cpp"})
-    _vllm_config(model_dir, "quantile1", {"attention_impl": "auto"})
+    vllm_config(model_dir, "vidkv", {"attention_impl": "cpp"})
+    vllm_config(model_dir, "quantile1", {"attention_impl": "auto"})
     with pytest.raises(ValueError, match=r"attention_impl 'cpp' cannot run here: it reads KIVI "
                                          r"per-channel / VidKV / RVQ keys .* not: keys QuantileCodec"):
-        _vllm_config(model_dir, "quantile1", {"attention_impl": "cpp"})
+        vllm_config(model_dir, "quantile1", {"attention_impl": "cpp"})
     with pytest.raises(ValueError, match=r"attention_impl 'cuda' cannot run here: the CUDA kernel "
                                          r"runs on CUDA devices, not cpu"):
-        _vllm_config(model_dir, "vidkv", {"attention_impl": "cuda"})
+        vllm_config(model_dir, "vidkv", {"attention_impl": "cuda"})
     with pytest.raises(ValueError, match=r"field 'attention_impl': Input should be 'auto', "):
-        _vllm_config(model_dir, "vidkv", {"attention_impl": "gpu"})
+        vllm_config(model_dir, "vidkv", {"attention_impl": "gpu"})
     monkeypatch.setenv("LOWBIT_KV_ATTENTION_IMPL", "triton")
     with pytest.raises(ValueError, match=r"attention_impl 'triton' cannot run here"):
-        _vllm_config(model_dir, "kivi2")
+        vllm_config(model_dir, "kivi2")
     monkeypatch.setenv("LOWBIT_KV_ATTENTION_IMPL", "fast")
     with pytest.raises(ValueError, match=r"LOWBIT_KV_ATTENTION_IMPL must be one of"):
-        _vllm_config(model_dir, "kivi2")
+        vllm_config(model_dir, "kivi2")
 
 
 def _fake_vllm_config(user_block_size: bool = True, **model_kw):
@@ -272,7 +263,7 @@ def test_budget_that_staging_leaves_too_small_is_refused_with_the_sizes(model_di
     from vllm_lowbit_kv.vllm.patches import _budget_less_staging
     from vllm_lowbit_kv.vllm.resolve import staging_bytes
 
-    cfg = _vllm_config(model_dir, "vidkv")
+    cfg = vllm_config(model_dir, "vidkv")
     cfg.scheduler_config.max_num_seqs = 32
     with set_current_vllm_config(cfg):
         specs = _layer_specs(cfg)
@@ -304,7 +295,7 @@ def test_allocator_capacity_scales_with_bits(model_dir, lowbit, rvq_codebook_fil
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 
     def tokens(dtype, lb):
-        cfg = _vllm_config(model_dir, dtype, lb)
+        cfg = vllm_config(model_dir, dtype, lb)
         with set_current_vllm_config(cfg):
             kc = get_kv_cache_configs(cfg, [_layer_specs(cfg)], [2**30])[0]
         return kc.num_blocks * cfg.cache_config.block_size

@@ -80,13 +80,6 @@ def test_quality_hf_still_refuses_fp8():
 
 # --------------------------------------------------------------------------- servers that refuse
 
-@pytest.fixture(scope="module")
-def model_dir():
-    pytest.importorskip("vllm")
-    from vllm_lowbit_kv.model import prepare_model
-    return str(prepare_model())
-
-
 @pytest.mark.slow
 def test_unknown_dtype_refused_at_startup(model_dir):
     s = measurement_server(model_dir, "kivi3", chunk=64, max_model_len=512)

@@ -25,29 +25,20 @@ import pytest
 pytest.importorskip("vllm")
 
 from bench.quality import passkey_prompt  # noqa: E402
+from _vllm_config import vllm_config  # noqa: E402
 from bench.server import Server, measurement_server, metric_value, metrics_text  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugin_registered():
+    """Our dtypes and hooks in vLLM's tables, as the engine's plugin loading does."""
+    from vllm_lowbit_kv.vllm.plugin import register
+    register()
+
 BLOCKS, BS = 28, 128
 EVICTION = {"eviction": "flashcache", "retention": 0.2}
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    from vllm_lowbit_kv.model import prepare_model
-    from vllm_lowbit_kv.vllm.plugin import register
-
-    register()
-    return str(prepare_model())
-
-
-def _vllm_config(model_dir, dtype, lowbit, **cache_kw):
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
-
-    return VllmConfig(model_config=ModelConfig(model=model_dir, max_model_len=2048),
-                      cache_config=CacheConfig(cache_dtype=dtype, **cache_kw),
-                      additional_config={"lowbit_kv": lowbit})
 
 
 @pytest.mark.parametrize("dtype,lowbit,cache_kw,reason", [
@@ -62,13 +53,13 @@ def _vllm_config(model_dir, dtype, lowbit, **cache_kw):
 def test_eviction_refused_at_startup_with_the_reason(model_dir, dtype, lowbit, cache_kw, reason):
     cache_kw.setdefault("enable_prefix_caching", False)
     with pytest.raises(ValueError, match=f"{reason}.*Refusing to start"):
-        _vllm_config(model_dir, dtype, lowbit, **cache_kw)
+        vllm_config(model_dir, dtype, lowbit, **cache_kw)
 
 
 def test_eviction_installs_its_scheduler(model_dir):
-    cfg = _vllm_config(model_dir, "kivi4", EVICTION, enable_prefix_caching=False)
+    cfg = vllm_config(model_dir, "kivi4", EVICTION, enable_prefix_caching=False)
     assert cfg.scheduler_config.scheduler_cls == "vllm_lowbit_kv.vllm.eviction.EvictingScheduler"
-    plain = _vllm_config(model_dir, "kivi4", {}, enable_prefix_caching=False)
+    plain = vllm_config(model_dir, "kivi4", {}, enable_prefix_caching=False)
     assert plain.scheduler_config.scheduler_cls is None
 
 

@@ -80,12 +80,6 @@ CONTROL_RATIO_MIN = 1.5
 
 
 @pytest.fixture(scope="session")
-def model_dir():
-    from vllm_lowbit_kv.model import prepare_model
-    return str(prepare_model())
-
-
-@pytest.fixture(scope="session")
 def prompt(model_dir):
     from transformers import AutoTokenizer
 
