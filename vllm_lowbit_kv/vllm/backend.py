@@ -34,10 +34,10 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from ..config import LowBitKVConfigError
 from ..kv_stats import ATTENTION_IMPLS, VISUAL
 from ..ops import select_implementation
-from ..retrieval_heads import part_implementations
 from ..paged import (HeadSplitLayout, PagedLayout, ReadPlan, Staging, StagingAllocator, WritePlan,
                      forward_layer, forward_split_layer,
                      protected_visual)
+from ..retrieval_heads import part_implementations
 from . import BACKEND_NAME, is_lowbit_dtype
 from .eviction import compact_ordered, compacted_rows, forget_requests, layer_read_plan
 from .resolve import (SPEC_LAYER_ATTR, device_type, layer_layout, model_dtype, page_layout,
