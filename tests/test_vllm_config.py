@@ -255,8 +255,9 @@ def _layer_specs(cfg) -> dict:
 
 def test_budget_that_staging_leaves_too_small_is_refused_with_the_sizes(model_dir):
     """The KV budget pays staging for --max-num-seqs sequences first; when the pages left
-    cannot hold one --max-model-len request (and the pool's null block), start-up stops with both sizes and how many
-    sequences would fit, not with vLLM's "0.0 GiB available"."""
+    cannot hold one --max-model-len request (and the pool's null block), start-up stops
+    with both sizes and how many sequences would fit, not with vLLM's "0.0 GiB
+    available"."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.core.kv_cache_utils import max_memory_usage_bytes
 
