@@ -29,6 +29,10 @@ AVX-512 (``x86-64-v3``), as two tests build it, the portable paths run. One know
 difference from the reference codecs: they clamp decoded VidKV/ternary elements to
 +-65504, the kernel (which never rebuilds keys) does not; it only matters for K/V
 magnitudes near the fp16 limit. No store kernel: :data:`store` encodes with the codecs.
+
+The library also holds :func:`dense_attention` (``csrc/cpu/dense_attention.cpp``): bf16
+attention of a prefill chunk's own tokens with AVX-512 BF16 dot products, which the exact
+part of a step takes where it runs (:func:`vllm_lowbit_kv.paged.attention.causal_attend_with_lse`).
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ from .page_format import (KEY_KIVI_CHANNEL, KEY_RVQ, KEY_VIDKV, VAL_KIVI_CHANNEL
 logger = logging.getLogger("vllm.lowbit_kv.ops")
 
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "packed_attention.cpp"
+#: bf16 dense attention for prefill chunks' exact part (:func:`dense_attention`)
+DENSE_SOURCE = SOURCE.with_name("dense_attention.cpp")
+SOURCES = (SOURCE, DENSE_SOURCE)
 #: target ISA: the build machine's own unless LOWBIT_KV_CPU_MARCH names another (the
 #: tests build AVX2-only and AVX-512-without-VBMI variants this way to run the other paths)
 MARCH = os.environ.get("LOWBIT_KV_CPU_MARCH", "native")
@@ -82,7 +89,7 @@ def _cpu_signature() -> str:
 
 def build_directory() -> Path:
     key = hashlib.sha256("\n".join([
-        SOURCE.read_text() if SOURCE.exists() else "", " ".join(CFLAGS + LDFLAGS),
+        *(s.read_text() if s.exists() else "" for s in SOURCES), " ".join(CFLAGS + LDFLAGS),
         torch.__version__, sys.version, _cpu_signature()]).encode()).hexdigest()[:16]
     return extension_build_root() / f"{LIBRARY}-{key}"
 
@@ -100,8 +107,9 @@ def load_library() -> str | None:
     with _build_lock:
         if _built or _build_error is not None:
             return _build_error
-        if not SOURCE.exists():
-            _build_error = f"kernel source {SOURCE} not found (install from the source tree)"
+        missing = [str(s) for s in SOURCES if not s.exists()]
+        if missing:
+            _build_error = f"kernel source {missing[0]} not found (install from the source tree)"
             return _build_error
         try:
             from torch.utils import cpp_extension
@@ -111,7 +119,8 @@ def load_library() -> str | None:
             directory.mkdir(parents=True, exist_ok=True)
             logger.info("lowbit-kv: loading the C++ CPU kernel (building it first if %s is "
                         "empty, about a minute)", directory)
-            cpp_extension.load(name=LIBRARY, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+            cpp_extension.load(name=LIBRARY, sources=[str(s) for s in SOURCES],
+                               extra_cflags=list(CFLAGS),
                                extra_ldflags=list(LDFLAGS), build_directory=str(directory),
                                is_python_module=False, verbose=False)
             _built = True
@@ -219,6 +228,32 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
         query, as_long(q_start), fmt.flat_pages(pages), as_long(group_table),
         as_long(num_groups), as_long(skip_tokens), float(scale),
         desc.geometry, desc.key, desc.value, desc.fft_map, desc.codebooks, out, lse)
+    return out, lse
+
+
+_dense_available: bool | None = None
+
+
+def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Attention of query [n, Hq, D] over key, value [S, H, D], all bfloat16 on the CPU
+    (causal: row i sees keys j <= i + S - n) with AVX-512 BF16 dot products: out [n, Hq,
+    D] and lse [n, Hq] float32 (scores and sums in float32, the probabilities rounded to
+    bf16 for the value sum). None where it does not run: other dtypes or devices, a CPU or
+    build without AVX-512 BF16, or the kernel library not loaded (this never builds it)."""
+    global _dense_available
+    if not _built or query.device.type != "cpu" or not (
+            query.dtype == key.dtype == value.dtype == torch.bfloat16):
+        return None
+    if _dense_available is None:
+        _dense_available = bool(torch.ops.lowbit_kv.dense_attention_available())
+    if not _dense_available:
+        return None
+    n, Hq, D = query.shape
+    out = query.new_empty(n, Hq, D, dtype=torch.float32)
+    lse = query.new_empty(n, Hq, dtype=torch.float32)
+    torch.ops.lowbit_kv.dense_attention(query, key, value, causal, key.shape[0] - n, float(scale),
+                                        out, lse)
     return out, lse
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import merge_attention
+from ..ops.cpu import dense_attention
 from .layout import PagedLayout
 from .plan import ReadPlan
 from .write import Staging
@@ -87,9 +88,14 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
 
 def causal_attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal float32 attention of Q fresh rows over themselves, and its log-sum-exp:
-    q [Q, Hq, D]; k, v [Q, H, D] -> out [Q, Hq, D], lse [Q, Hq]. With no mask the fused
-    CPU kernel skips the blocks above the diagonal (half of a prefill chunk's work)."""
+    """Causal attention of Q fresh rows over themselves, and its log-sum-exp: q [Q, Hq, D];
+    k, v [Q, H, D] -> out [Q, Hq, D], lse [Q, Hq] float32. Model-dtype bf16 on a CPU with
+    AVX-512 BF16: the C++ kernel's bf16 dot products (:func:`~vllm_lowbit_kv.ops.cpu.dense_attention`,
+    float32 scores and sums); otherwise float32, where with no mask the fused CPU kernel
+    skips the blocks above the diagonal (half of a prefill chunk's work)."""
+    dense = dense_attention(q, k, v, scale, causal=True)
+    if dense is not None:
+        return dense
     G = q.shape[1] // k.shape[1]
     q = q.float().transpose(0, 1).unsqueeze(0)
     k = k.float().repeat_interleave(G, dim=1).transpose(0, 1).unsqueeze(0)
