@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SOURCES = ["vllm_lowbit_kv/csrc/cpu/packed_attention.cpp",
                   "vllm_lowbit_kv/csrc/cpu/dense_attention.cpp",
+                  "vllm_lowbit_kv/csrc/cpu/vectors.h",
                   "vllm_lowbit_kv/csrc/cuda/bindings.cpp",
                   "vllm_lowbit_kv/csrc/cuda/packed_attention.cu",
                   "vllm_lowbit_kv/csrc/cuda/packed_attention.cuh"]
@@ -32,9 +33,10 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
 
 def test_kernel_sources_are_where_the_ops_look():
     from vllm_lowbit_kv.ops import cpu, cuda
-    assert all(s.is_file() for s in cpu.SOURCES)
+    assert all(s.is_file() for s in cpu.SOURCES + cpu.HEADERS)
     assert all((cuda.SOURCE_DIR / name).is_file() for name in cuda.SOURCES)
-    assert {str(p.relative_to(ROOT)) for p in (*cpu.SOURCES, *(cuda.SOURCE_DIR / n for n in cuda.SOURCES))} \
+    assert {str(p.relative_to(ROOT)) for p in (*cpu.SOURCES, *cpu.HEADERS,
+                                                *(cuda.SOURCE_DIR / n for n in cuda.SOURCES))} \
         <= set(KERNEL_SOURCES)
 
 

@@ -62,6 +62,8 @@ SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "packed_attentio
 #: bf16 dense attention for prefill chunks' exact part (:func:`dense_attention`)
 DENSE_SOURCE = SOURCE.with_name("dense_attention.cpp")
 SOURCES = (SOURCE, DENSE_SOURCE)
+#: what the sources include (part of the build folder's hash, as the sources are)
+HEADERS = (SOURCE.with_name("vectors.h"),)
 #: target ISA: the build machine's own unless LOWBIT_KV_CPU_MARCH names another (the
 #: tests build AVX2-only and AVX-512-without-VBMI variants this way to run the other paths)
 MARCH = os.environ.get("LOWBIT_KV_CPU_MARCH", "native")
@@ -89,7 +91,8 @@ def _cpu_signature() -> str:
 
 def build_directory() -> Path:
     key = hashlib.sha256("\n".join([
-        *(s.read_text() if s.exists() else "" for s in SOURCES), " ".join(CFLAGS + LDFLAGS),
+        *(s.read_text() if s.exists() else "" for s in SOURCES + HEADERS),
+        " ".join(CFLAGS + LDFLAGS),
         torch.__version__, sys.version, _cpu_signature()]).encode()).hexdigest()[:16]
     return extension_build_root() / f"{LIBRARY}-{key}"
 
@@ -107,7 +110,7 @@ def load_library() -> str | None:
     with _build_lock:
         if _built or _build_error is not None:
             return _build_error
-        missing = [str(s) for s in SOURCES if not s.exists()]
+        missing = [str(s) for s in SOURCES + HEADERS if not s.exists()]
         if missing:
             _build_error = f"kernel source {missing[0]} not found (install from the source tree)"
             return _build_error

@@ -28,6 +28,8 @@
 #include <limits>
 #include <vector>
 
+#include "vectors.h"
+
 namespace lowbit_kv {
 
 bool dense_attention_available() {
@@ -44,21 +46,6 @@ namespace {
 constexpr int KB = 16;  // keys per block: one score per lane
 constexpr int RB = 32;  // query rows per work item
 constexpr int kMaxD = 256;
-
-// exp(x) for x <= 0 or -inf (Cody-Waite range reduction, degree-6 polynomial; x < -87: 0)
-inline __m512 exp16(__m512 x) {
-  const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), v);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-06f), r);
-  __m512 p = _mm512_set1_ps(0.00138888892f);
-  for (float c : {0.00833333377f, 0.0416666679f, 0.166666672f, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __m512 e = _mm512_scalef_ps(p, k);
-  return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ),
-                            _mm512_setzero_ps());
-}
 
 struct Args {
   const uint16_t *q, *k, *v;          // bf16 bits
@@ -114,7 +101,7 @@ void run_item(const Args& a, int64_t h, int64_t i0, int64_t i1) {
                         _mm512_set1_ps(a.scale)));
       const float m_new = std::max(mrun[m], _mm512_reduce_max_ps(s));
       const float alpha = std::exp(mrun[m] - m_new);  // 0 for the first block
-      const __m512 pr = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new)));
+      const __m512 pr = (__m512)vexp((vf)_mm512_sub_ps(s, _mm512_set1_ps(m_new)));
       lsum[m] = lsum[m] * alpha + _mm512_reduce_add_ps(pr);
       mrun[m] = m_new;
       alignas(64) uint16_t pb[KB];

@@ -58,6 +58,8 @@
 #include <mutex>
 #include <vector>
 
+#include "vectors.h"
+
 namespace lowbit_kv {
 namespace {
 
@@ -87,52 +89,7 @@ enum TernVal {
 // strided (1: channel j * n + g of group g; 0: g * d^ + j), codes, std
 enum Rvq { RV_K = 1, RV_C, RV_BITS, RV_GROUP, RV_STRIDED, RV_CODES, RV_STD, RV_COUNT };
 
-// -- vectors ------------------------------------------------------------------------------
-constexpr int L = 16;  // lanes
-typedef float vf __attribute__((vector_size(4 * L)));
-typedef int32_t vi __attribute__((vector_size(4 * L)));
-typedef uint32_t vu __attribute__((vector_size(4 * L)));
 constexpr int kMaxMB = 8;  // query vectors kept in registers at once
-
-inline vf loadf(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vu loadu(const uint32_t* p) { vu v; std::memcpy(&v, p, sizeof v); return v; }
-inline vf splat(float x) { return vf{} + x; }
-inline vi iota() { vi v; for (int l = 0; l < L; ++l) v[l] = l; return v; }
-inline int round_up(int x) { return (x + L - 1) / L * L; }
-
-// horizontal max / sum by halving (log2(L) shuffles instead of a chain of L - 1 ops)
-inline vf swap_halves(vf v, int half) {
-  vi idx = iota() ^ half;
-  return __builtin_shuffle(v, idx);
-}
-inline float hmax(vf v) {
-  for (int half = L / 2; half; half /= 2) {
-    const vf w = swap_halves(v, half);
-    v = v > w ? v : w;
-  }
-  return v[0];
-}
-inline float hsum(vf v) {
-  for (int half = L / 2; half; half /= 2) v += swap_halves(v, half);
-  return v[0];
-}
-
-// exp(x) for softmax arguments (x <= 0 or -inf): Cody-Waite range reduction and a
-// degree-6 Taylor polynomial, about 1 ulp; x < -87 gives 0.
-inline vf vexp(vf x) {
-  const vf v = x < -87.f ? splat(-87.f) : x;
-  vf k = v * 1.44269504f + 0.5f;
-  k = __builtin_convertvector(__builtin_convertvector(k, vi), vf);
-  k = k > v * 1.44269504f + 0.5f ? k - 1.f : k;  // floor
-  const vf r = v - k * 0.693145752f - k * 1.42860677e-06f;
-  const vf p = 1.f + r * (1.f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f +
-               r * (0.00833333377f + r * 0.00138888892f)))));
-  const vi e = (__builtin_convertvector(k, vi) + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  return x < -87.f ? vf{} : p * scale;
-}
 
 // -- decoding helpers -----------------------------------------------------------------
 inline void halves_to_float(const uint8_t* src, int n, float* dst) {
