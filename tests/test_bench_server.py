@@ -98,12 +98,12 @@ def test_refusal_reason():
     log = ("INFO starting\nERROR Traceback\nValueError: --kv-cache-dtype vidkv_stp cannot serve this "
            "model: scheme needs STP. Refusing to start rather than serve wrong outputs.\nmore\n")
     assert refusal_reason(log).startswith("--kv-cache-dtype vidkv_stp cannot serve this model: scheme")
-    engine = ("ERROR ValueError: lowbit-kv: staging needs 90.0 MiB but the KV cache budget is only "
-              "48.0 MiB\nERROR RuntimeError: Worker failed with error 'lowbit-kv: staging needs 90.0 "
-              "MiB but the KV cache budget is only 48.0 MiB', please check\nRuntimeError: Engine "
-              "core initialization failed. See root cause above.\n")
-    assert refusal_reason(engine) == ("ValueError: lowbit-kv: staging needs 90.0 MiB but the KV cache "
-                                      "budget is only 48.0 MiB")
+    why = ("lowbit-kv: staging (residual window and partial group, in the model dtype) for "
+           "--max-num-seqs 32 sequences takes 90.0 MiB of the 96.0 MiB KV cache budget")
+    engine = (f"ERROR ValueError: {why}\nERROR RuntimeError: Worker failed with error '{why}', "
+              "please check\nRuntimeError: Engine core initialization failed. See root cause "
+              "above.\n")
+    assert refusal_reason(engine) == f"ValueError: {why}"
     assert "invalid choice: 'x'" in refusal_reason("usage: ...\nerror: argument --kv-cache-dtype: "
                                                    "invalid choice: 'x' (choose from a, b)\n")
     assert refusal_reason("") == "no output"
