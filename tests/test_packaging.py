@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SOURCES = ["vllm_lowbit_kv/csrc/cpu/packed_attention.cpp",
                   "vllm_lowbit_kv/csrc/cpu/dense_attention.cpp",
                   "vllm_lowbit_kv/csrc/cpu/vectors.h",
+                  "vllm_lowbit_kv/csrc/cpu/micro_gemm.h",
                   "vllm_lowbit_kv/csrc/cuda/bindings.cpp",
                   "vllm_lowbit_kv/csrc/cuda/packed_attention.cu",
                   "vllm_lowbit_kv/csrc/cuda/packed_attention.cuh"]

@@ -30,9 +30,11 @@ difference from the reference codecs: they clamp decoded VidKV/ternary elements 
 +-65504, the kernel (which never rebuilds keys) does not; it only matters for K/V
 magnitudes near the fp16 limit. No store kernel: :data:`store` encodes with the codecs.
 
-The library also holds :func:`dense_attention` (``csrc/cpu/dense_attention.cpp``): bf16
-attention of a prefill chunk's own tokens with AVX-512 BF16 dot products, which the exact
-part of a step takes where it runs (:func:`vllm_lowbit_kv.paged.attention.causal_attend_with_lse`).
+Work items with many query vectors (a prefill chunk) decode each group once into float
+tiles and multiply them (``csrc/cpu/micro_gemm.h``). The library also holds
+:func:`dense_attention` (``csrc/cpu/dense_attention.cpp``): float32 attention over bf16 or
+float32 K/V by the same matrix products, which the exact part of a prefill chunk takes
+(:mod:`vllm_lowbit_kv.paged.attention`).
 """
 
 from __future__ import annotations
@@ -59,11 +61,11 @@ from .page_format import (KEY_KIVI_CHANNEL, KEY_RVQ, KEY_VIDKV, VAL_KIVI_CHANNEL
 logger = logging.getLogger("vllm.lowbit_kv.ops")
 
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "packed_attention.cpp"
-#: bf16 dense attention for prefill chunks' exact part (:func:`dense_attention`)
+#: dense attention for prefill chunks' exact part (:func:`dense_attention`)
 DENSE_SOURCE = SOURCE.with_name("dense_attention.cpp")
 SOURCES = (SOURCE, DENSE_SOURCE)
 #: what the sources include (part of the build folder's hash, as the sources are)
-HEADERS = (SOURCE.with_name("vectors.h"),)
+HEADERS = (SOURCE.with_name("vectors.h"), SOURCE.with_name("micro_gemm.h"))
 #: target ISA: the build machine's own unless LOWBIT_KV_CPU_MARCH names another (the
 #: tests build AVX2-only and AVX-512-without-VBMI variants this way to run the other paths)
 MARCH = os.environ.get("LOWBIT_KV_CPU_MARCH", "native")
@@ -73,6 +75,8 @@ LIBRARY = "lowbit_kv_cpu"  # the library; its ops are torch.ops.lowbit_kv.*
 
 name = "cpp"
 LANES = 16  # floats per vector in the kernel: head_dim must be a multiple
+#: what dense_attention reads
+DENSE_DTYPES = (torch.bfloat16, torch.float32)
 
 _build_lock = threading.Lock()
 _build_error: str | None = None
@@ -234,23 +238,15 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
     return out, lse
 
 
-_dense_available: bool | None = None
-
-
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                     causal: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Attention of query [n, Hq, D] over key, value [S, H, D], all bfloat16 on the CPU
-    (causal: row i sees keys j <= i + S - n) with AVX-512 BF16 dot products: out [n, Hq,
-    D] and lse [n, Hq] float32 (scores and sums in float32, the probabilities rounded to
-    bf16 for the value sum). None where it does not run: other dtypes or devices, a CPU or
-    build without AVX-512 BF16, or the kernel library not loaded (this never builds it)."""
-    global _dense_available
-    if not _built or query.device.type != "cpu" or not (
-            query.dtype == key.dtype == value.dtype == torch.bfloat16):
-        return None
-    if _dense_available is None:
-        _dense_available = bool(torch.ops.lowbit_kv.dense_attention_available())
-    if not _dense_available:
+    """Attention of query [n, Hq, D] over key, value [S, H, D], all bfloat16 or all float32
+    on the CPU (causal: row i sees keys j <= i + S - n), computed in float32 by the C++
+    kernel (``csrc/cpu/dense_attention.cpp``): out [n, Hq, D] and lse [n, Hq] float32. None
+    where it does not run: other dtypes or devices, a head_dim it does not take, or the
+    kernel library not loaded (this never builds it)."""
+    if not _built or query.device.type != "cpu" or query.dtype not in DENSE_DTYPES or not (
+            query.dtype == key.dtype == value.dtype) or query.shape[-1] % LANES:
         return None
     n, Hq, D = query.shape
     out = query.new_empty(n, Hq, D, dtype=torch.float32)

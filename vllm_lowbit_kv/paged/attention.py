@@ -89,10 +89,10 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
 def causal_attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of Q fresh rows over themselves, and its log-sum-exp: q [Q, Hq, D];
-    k, v [Q, H, D] -> out [Q, Hq, D], lse [Q, Hq] float32. Model-dtype bf16 on a CPU with
-    AVX-512 BF16: the C++ kernel's bf16 dot products (:func:`~vllm_lowbit_kv.ops.cpu.dense_attention`,
-    float32 scores and sums); otherwise float32, where with no mask the fused CPU kernel
-    skips the blocks above the diagonal (half of a prefill chunk's work)."""
+    k, v [Q, H, D] -> out [Q, Hq, D], lse [Q, Hq] float32. On the CPU the C++ dense kernel
+    (:func:`~vllm_lowbit_kv.ops.cpu.dense_attention`: float32 matrix products over bf16 or
+    float32 inputs); where it does not run, torch's fused CPU kernel (with no mask it skips
+    the blocks above the diagonal, half of a prefill chunk's work) or plain products."""
     dense = dense_attention(q, k, v, scale, causal=True)
     if dense is not None:
         return dense
@@ -111,6 +111,19 @@ def causal_attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         lse = torch.logsumexp(scores, dim=-1)
         out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of q [Q, Hq, D] over all of k, v [E, H, D] float32 (a prefill chunk's sinks
+    and staged tokens): out [Q, Hq, D], lse [Q, Hq]."""
+    dense = dense_attention(q.float(), k, v, scale, causal=False)
+    if dense is not None:
+        return dense
+    out, lse = attend_with_lse(q[None], k[None], v[None],
+                               q.new_zeros(1, 1, q.shape[0], k.shape[0], dtype=torch.float32),
+                               scale)
+    return out[0], lse[0]
 
 
 def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
@@ -137,10 +150,9 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
             rows = b.rows[0]
             o, l = causal_attend_with_lse(query[rows], key[rows], value[rows], scale)
             if ks:
-                Q, E = rows.numel(), b.sinks + b.tail
-                po, pl = attend_with_lse(query[b.rows], torch.cat(ks, 1), torch.cat(vs, 1),
-                                         query.new_zeros(1, 1, Q, E, dtype=torch.float32), scale)
-                o, l = merge_attention(po[0], pl[0], o, l)
+                po, pl = _attend_all(query[rows], torch.cat(ks, 1)[0], torch.cat(vs, 1)[0],
+                                     scale)
+                o, l = merge_attention(po, pl, o, l)
         else:
             ks.append(key[b.rows].float())
             vs.append(value[b.rows].float())

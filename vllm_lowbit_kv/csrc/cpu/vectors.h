@@ -17,7 +17,8 @@ typedef uint32_t vu __attribute__((vector_size(4 * L)));
 inline vf loadf(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vu loadu(const uint32_t* p) { vu v; std::memcpy(&v, p, sizeof v); return v; }
-inline vf splat(float x) { return vf{} + x; }
+// one broadcast (vf{} + x would be an add: 0 + -0 is +0, so the compiler must keep it)
+inline vf splat(float x) { return __builtin_shuffle(vf{x}, vi{}); }
 inline vi iota() { vi v; for (int l = 0; l < L; ++l) v[l] = l; return v; }
 inline int round_up(int x) { return (x + L - 1) / L * L; }
 
