@@ -113,17 +113,26 @@ def causal_attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
-def _attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row of q [Q, Hq, D] over all of k, v [E, H, D] float32 (a prefill chunk's sinks
-    and staged tokens): out [Q, Hq, D], lse [Q, Hq]."""
-    dense = dense_attention(q.float(), k, v, scale, causal=False)
-    if dense is not None:
-        return dense
-    out, lse = attend_with_lse(q[None], k[None], v[None],
-                               q.new_zeros(1, 1, q.shape[0], k.shape[0], dtype=torch.float32),
-                               scale)
-    return out[0], lse[0]
+def prefill_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill chunk's exact part: its rows q [Q, Hq, D] over the exact context ``ks``,
+    ``vs`` (each [1, E_i, H, D] float32: sinks, staged run) whole and over their own keys
+    k, v [Q, H, D] causally -> out [Q, Hq, D], lse [Q, Hq] float32. With the dense kernel
+    one causal call over [context, own keys] (row i sees the E context keys and its own
+    0..i); otherwise the two parts apart, merged."""
+    if ks:
+        dense = dense_attention(q.float(), torch.cat([*ks, k[None].float()], 1)[0],
+                                torch.cat([*vs, v[None].float()], 1)[0], scale, causal=True)
+        if dense is not None:
+            return dense
+    o, l = causal_attend_with_lse(q, k, v, scale)
+    if ks:
+        po, pl = attend_with_lse(q[None], torch.cat(ks, 1), torch.cat(vs, 1),
+                                 q.new_zeros(1, 1, q.shape[0], sum(x.shape[1] for x in ks),
+                                             dtype=torch.float32), scale)
+        o, l = merge_attention(po[0], pl[0], o, l)
+    return o, l
 
 
 def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
@@ -132,8 +141,7 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
     """Every fresh row over its request's exact keys (:class:`ExactBatch`): out
     [n, Hq, D] float32 and lse [n, Hq], to merge with the packed part. A prefill chunk
     (one request, several rows) sees its sinks and staged run whole and its fresh tokens
-    causally: the two parts are attended apart (the fresh one without a mask) and
-    merged."""
+    causally (:func:`prefill_exact_attention`)."""
     n, Hq, D = query.shape[0], query.shape[1], query.shape[2]
     out = torch.empty(n, Hq, D, dtype=torch.float32, device=query.device)
     lse = torch.empty(n, Hq, dtype=torch.float32, device=query.device)
@@ -148,11 +156,7 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
             vs.append(read_staged(staging.v, b.tail_slots, b.tail))
         if b.bias is None:  # a prefill chunk
             rows = b.rows[0]
-            o, l = causal_attend_with_lse(query[rows], key[rows], value[rows], scale)
-            if ks:
-                po, pl = _attend_all(query[rows], torch.cat(ks, 1)[0], torch.cat(vs, 1)[0],
-                                     scale)
-                o, l = merge_attention(po, pl, o, l)
+            o, l = prefill_exact_attention(query[rows], key[rows], value[rows], ks, vs, scale)
         else:
             ks.append(key[b.rows].float())
             vs.append(value[b.rows].float())

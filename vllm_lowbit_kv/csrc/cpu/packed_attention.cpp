@@ -1319,7 +1319,12 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
     int64_t splits = base_items >= want_items
                          ? 1
                          : (want_items * groups * rows + total_work * H - 1) / (total_work * H);
-    splits = std::clamp<int64_t>(splits, 1, std::max<int64_t>(groups / kMinGroupsPerSplit, 1));
+    const int64_t most = std::max<int64_t>(groups / kMinGroupsPerSplit, 1);
+    splits = std::clamp<int64_t>(splits, 1, most);
+    // a request alone (a prefill chunk): as many items as a whole number of rounds of the
+    // threads, or the last round runs one thread
+    if (active.size() == 1)
+      while (splits < most && (H * splits) % threads) ++splits;
     for (int64_t h = 0; h < H; ++h)
       for (int64_t s = 0; s < splits; ++s) {
         const int64_t lo = first + groups * s / splits, hi = first + groups * (s + 1) / splits;
