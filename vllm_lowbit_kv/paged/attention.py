@@ -121,9 +121,10 @@ def prefill_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k, v [Q, H, D] causally -> out [Q, Hq, D], lse [Q, Hq] float32. With the dense kernel
     one causal call over [context, own keys] (row i sees the E context keys and its own
     0..i); otherwise the two parts apart, merged."""
-    if ks:
-        dense = dense_attention(q.float(), torch.cat([*ks, k[None].float()], 1)[0],
-                                torch.cat([*vs, v[None].float()], 1)[0], scale, causal=True)
+    if ks:  # the context is stored in the model dtype: back to it without loss
+        dense = dense_attention(q, torch.cat([*(x.to(k.dtype) for x in ks), k[None]], 1)[0],
+                                torch.cat([*(x.to(v.dtype) for x in vs), v[None]], 1)[0], scale,
+                                causal=True)
         if dense is not None:
             return dense
     o, l = causal_attend_with_lse(q, k, v, scale)

@@ -1,19 +1,19 @@
-// Dense attention over bfloat16 or float32 K/V, as register-blocked float32 matrix products:
-// the exact part of a prefill chunk (its own tokens, causally) and a prefill chunk's
-// context decoded from packed pages (vllm_lowbit_kv/ops/cpu.py, dense_attention).
+// Dense attention over bfloat16 or float32 K/V as register-blocked matrix products: the
+// exact part of a prefill chunk (its context's sinks and staged tokens, then its own tokens
+// causally), vllm_lowbit_kv/paged/attention.py.
 //
 // out[i, q] = sum_j softmax_j(scale * q_i . k_j) v_j over the keys j that row i sees
 // (causal: j <= i + causal_offset; else all S), lse[i, q] the log-sum-exp of the scaled
-// scores; query head q reads KV head q / G (G = Hq / H). Everything is float32 (bf16 inputs
-// are widened exactly), so the result is float32 attention up to summation order.
+// scores; query head q reads KV head q / G (G = Hq / H). float32 inputs: float32
+// arithmetic throughout (float32 attention up to summation order). bf16 inputs on a CPU
+// with AVX-512 BF16: bf16 pair tiles (micro_gemm.h: exact bf16 products, float32 sums and
+// softmax, the probabilities rounded to bf16 for the value sum, as vLLM's AMX and GPU flash
+// attention do); elsewhere widened to float32.
 //
 // A flash loop per work item (KV head, block of RB query rows: M = RB * G query vectors
-// that share every key): keys in blocks of KB, laid out once per block as float tiles (keys
-// transposed, values as rows), then two small matrix products as vLLM's CPU micro-GEMM
-// does them (broadcast one query element, multiply a row of 16 keys or channels, many
-// accumulators in registers): scores [M, KB] = Q K^T, and out [M, D] += P V after the
-// running-max rescale. Vectors are the 16-float GCC vector type of vectors.h, so the same
-// code runs with AVX-512 (-march=native here) or narrower registers.
+// that share every key): keys in blocks of KB, laid out once per block as tiles (keys
+// transposed, values as rows), then the two products of micro_gemm.h: scores [M, KB] =
+// Q K^T, and out [M, D] += P V after the running-max rescale.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "micro_gemm.h"
@@ -63,16 +64,28 @@ struct Args {
 template <typename T>
 void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
   const int64_t G = a.Hq / a.H, D = a.D, M = (i1 - i0) * G;
-  const TilePool tiles({M * D, M * D, M * KB, D * KB, KB * D});
+  // bf16 inputs: pair tiles (bf16 products, float32 sums; the queries exact, so the scale
+  // goes on the scores; the probabilities rounded to bf16 for the value sum)
+  const bool pairs = kBf16Tiles && std::is_same_v<T, uint16_t> && D % (2 * L) == 0;
+  const float q_scale = pairs ? 1.f : a.scale, score_scale = pairs ? a.scale : 1.f;
+  const TilePool tiles({M * D, M * D, M * KB, D * KB, KB * D, pairs ? M * D / 2 : 0,
+                        pairs ? D * KB / 2 : 0, pairs ? KB * D / 2 : 0, pairs ? M * KB / 2 : 0,
+                        D});
   float *q = tiles[0], *o = tiles[1], *p = tiles[2], *kt = tiles[3], *vt = tiles[4];
+  uint32_t *qb = reinterpret_cast<uint32_t*>(tiles[5]), *kp = reinterpret_cast<uint32_t*>(tiles[6]),
+           *vp = reinterpret_cast<uint32_t*>(tiles[7]), *pb = reinterpret_cast<uint32_t*>(tiles[8]);
+  const float* zeros = tiles[9];
   std::vector<float> mrun(M, kNegInf), lsum(M, 0.f);
   std::vector<int64_t> limit(M);  // query vector m sees keys [0, limit[m])
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = i0 + m / G, hq = h * G + m % G;
     const T* src = a.q + i * a.qs0 + hq * a.qs1;
-    for (int64_t c = 0; c < D; c += L) storef(&q[m * D + c], load16(src + c) * a.scale);
+    for (int64_t c = 0; c < D; c += L) storef(&q[m * D + c], load16(src + c) * q_scale);
     limit[m] = a.causal ? std::clamp<int64_t>(i + a.offset + 1, 0, a.S) : a.S;
   }
+#if defined(__AVX512BF16__)
+  if (pairs) bf16_row(q, M * D, reinterpret_cast<uint16_t*>(qb));
+#endif
   const int64_t jmax = *std::max_element(limit.begin(), limit.end());
   for (int64_t j0 = 0; j0 < jmax; j0 += KB) {
     const int nt = int(std::min<int64_t>(KB, jmax - j0)), ntp = round_up(nt);
@@ -86,7 +99,14 @@ void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
         storef(&vt[t * D + c], in ? load16(vr + c) : vf{});
       }
     }
-    tile_scores(q, int(M), D, kt, KB, ntp, p, KB);
+#if defined(__AVX512BF16__)
+    if (pairs) {
+      key_pairs(kt, KB, D, ntp, kp);
+      value_pairs(vt, D, nt, zeros, vp);
+      tile_scores_bf16(qb, int(M), D, kp, KB, ntp, p, KB);
+    } else
+#endif
+      tile_scores(q, int(M), D, kt, KB, ntp, p, KB);
     for (int64_t m = 0; m < M; ++m) {  // online softmax, probabilities in place
       const int64_t visible = std::min<int64_t>(nt, limit[m] - j0);
       float* pm = &p[m * KB];
@@ -96,7 +116,7 @@ void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
       }
       vf mx = splat(kNegInf);
       for (int t = 0; t < ntp; t += L) {
-        const vf s = iota() + t < int(visible) ? loadf(pm + t) : splat(kNegInf);
+        const vf s = iota() + t < int(visible) ? loadf(pm + t) * score_scale : splat(kNegInf);
         storef(pm + t, s);
         mx = mx > s ? mx : s;
       }
@@ -113,7 +133,14 @@ void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
       if (corr != 1.f)
         for (int64_t c = 0; c < D; c += L) storef(&o[m * D + c], loadf(&o[m * D + c]) * corr);
     }
-    tile_values(p, KB, int(M), vt, D, nt, o);
+#if defined(__AVX512BF16__)
+    if (pairs) {
+      for (int64_t m = 0; m < M; ++m)
+        bf16_row(p + m * KB, ntp, reinterpret_cast<uint16_t*>(pb + m * KB / 2));
+      tile_values_bf16(pb, KB / 2, int(M), vp, D, nt, o);
+    } else
+#endif
+      tile_values(p, KB, int(M), vt, D, nt, o);
   }
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = i0 + m / G, hq = h * G + m % G;

@@ -1073,13 +1073,18 @@ struct Work {
   TilePool tiles;
   float *q, *sc, *acc, *mrun, *lsum;
   float *kt, *vrows, *basis;  // tile path: K^T [D][TP], V [TP][D], basis vectors
+  uint32_t *qb, *kp, *vp, *pb;  // its bf16 pair tiles (micro_gemm.h): q, K, V, probabilities
+  const float* zeros;           // [D]
   Work(const Format& f, int M)
       : s(f, std::max({M, f.D, f.TP})),
         tiles({int64_t(M) * f.D, int64_t(M) * f.TP, int64_t(M) * f.D, M, M,
                int64_t(f.D) * f.TP, int64_t(f.TP) * f.D,
-               int64_t(std::max(f.D, f.TP)) * std::max(f.D, f.TP)}),
+               int64_t(std::max(f.D, f.TP)) * std::max(f.D, f.TP), int64_t(M) * f.D / 2,
+               int64_t(f.D) * f.TP / 2, int64_t(f.TP) * f.D / 2, int64_t(M) * f.TP / 2, f.D}),
         q(tiles[0]), sc(tiles[1]), acc(tiles[2]), mrun(tiles[3]), lsum(tiles[4]), kt(tiles[5]),
-        vrows(tiles[6]), basis(tiles[7]) {}
+        vrows(tiles[6]), basis(tiles[7]), qb(reinterpret_cast<uint32_t*>(tiles[8])),
+        kp(reinterpret_cast<uint32_t*>(tiles[9])), vp(reinterpret_cast<uint32_t*>(tiles[10])),
+        pb(reinterpret_cast<uint32_t*>(tiles[11])), zeros(tiles[12]) {}
 };
 
 // Query vectors from which an item decodes each group once to float tiles and multiplies
@@ -1116,10 +1121,18 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
   const int M = int(rows * run.G);
   float* q = wk.q;
   float* sc = wk.sc;
+  const bool tiles = M >= kTileMinVectors;
+  // bf16 queries: the tiles as bf16 pairs (bf16 products, float32 sums); the queries stay
+  // exact, so the scale goes on the scores
+  const bool pairs = tiles && kBf16Tiles && run.qtype == at::kBFloat16 && D % (2 * L) == 0;
+  const float q_scale = pairs ? 1.f : run.scale;
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t g = 0; g < run.G; ++g)
       for (int c = 0; c < D; ++c)
-        q[(i * run.G + g) * D + c] = load_q(run, q0 + i, it.h * run.G + g, c) * run.scale;
+        q[(i * run.G + g) * D + c] = load_q(run, q0 + i, it.h * run.G + g, c) * q_scale;
+#if defined(__AVX512BF16__)
+  if (pairs) bf16_row(q, int64_t(M) * D, reinterpret_cast<uint16_t*>(wk.qb));
+#endif
   std::fill(acc, acc + size_t(M) * D, 0.f);
   std::fill(mrun, mrun + M, kNegInf);
   std::fill(lsum, lsum + M, 0.f);
@@ -1135,10 +1148,17 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
       const uint8_t* next = state(gids[gi + 1]);
       for (int64_t b = 0; b < f.state_bytes; b += 64) __builtin_prefetch(next + b);
     }
-    const bool tiles = M >= kTileMinVectors;
     if (tiles) {
       decode_tiles(f, st, wk);
-      tile_scores(q, M, D, wk.kt, TP, TP, sc, TP);
+#if defined(__AVX512BF16__)
+      if (pairs) {
+        key_pairs(wk.kt, TP, D, TP, wk.kp);
+        value_pairs(wk.vrows, D, T, wk.zeros, wk.vp);
+        tile_scores_bf16(wk.qb, M, D, wk.kp, TP, TP, sc, TP);
+        for (int64_t i = 0; i < int64_t(M) * TP; i += L) storef(sc + i, loadf(sc + i) * run.scale);
+      } else
+#endif
+        tile_scores(q, M, D, wk.kt, TP, TP, sc, TP);
     } else {
       key_scores(f, st, q, M, sc, wk.s);
     }
@@ -1169,6 +1189,13 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
         for (int c = 0; c < D; ++c) am[c] *= corr;
       }
     }
+#if defined(__AVX512BF16__)
+    if (pairs) {
+      for (int m = 0; m < M; ++m)
+        bf16_row(sc + int64_t(m) * TP, TP, reinterpret_cast<uint16_t*>(wk.pb + int64_t(m) * TP / 2));
+      tile_values_bf16(wk.pb, TP / 2, M, wk.vp, D, T, acc);
+    } else
+#endif
     if (tiles)
       tile_values(sc, TP, M, wk.vrows, D, T, acc);
     else
