@@ -30,11 +30,11 @@ difference from the reference codecs: they clamp decoded VidKV/ternary elements 
 +-65504, the kernel (which never rebuilds keys) does not; it only matters for K/V
 magnitudes near the fp16 limit. No store kernel: :data:`store` encodes with the codecs.
 
-Work items with many query vectors (a prefill chunk) decode each group once into float
-tiles and multiply them (``csrc/cpu/micro_gemm.h``). The library also holds
-:func:`dense_attention` (``csrc/cpu/dense_attention.cpp``): float32 attention over bf16 or
-float32 K/V by the same matrix products, which the exact part of a prefill chunk takes
-(:mod:`vllm_lowbit_kv.paged.attention`).
+Work items with many query vectors (a prefill chunk) decode each group once into tiles
+and multiply them (``csrc/cpu/micro_gemm.h``: float32, or bf16 pairs for bf16 queries where
+the build has AVX-512 BF16). The library also holds :func:`dense_attention`
+(``csrc/cpu/dense_attention.cpp``): attention over bf16 or float32 K/V by the same matrix
+products, which the exact part of a prefill chunk takes (:mod:`vllm_lowbit_kv.paged.attention`).
 """
 
 from __future__ import annotations
@@ -241,8 +241,9 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                     causal: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Attention of query [n, Hq, D] over key, value [S, H, D], all bfloat16 or all float32
-    on the CPU (causal: row i sees keys j <= i + S - n), computed in float32 by the C++
-    kernel (``csrc/cpu/dense_attention.cpp``): out [n, Hq, D] and lse [n, Hq] float32. None
+    on the CPU (causal: row i sees keys j <= i + S - n), by the C++ kernel
+    (``csrc/cpu/dense_attention.cpp``: float32 arithmetic, or bf16 products with float32
+    sums for bf16 inputs): out [n, Hq, D] and lse [n, Hq] float32. None
     where it does not run: other dtypes or devices, a head_dim it does not take, or the
     kernel library not loaded (this never builds it)."""
     if not _built or query.device.type != "cpu" or query.dtype not in DENSE_DTYPES or not (
