@@ -103,10 +103,10 @@ void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
     if (pairs) {
       key_pairs(kt, KB, D, ntp, kp);
       value_pairs(vt, D, nt, zeros, vp);
-      tile_scores_bf16(qb, int(M), D, kp, KB, ntp, p, KB);
+      tile_scores<Bf16PairTiles>(qb, int(M), D, kp, KB, ntp, p, KB);
     } else
 #endif
-      tile_scores(q, int(M), D, kt, KB, ntp, p, KB);
+      tile_scores<FloatTiles>(q, int(M), D, kt, KB, ntp, p, KB);
     for (int64_t m = 0; m < M; ++m) {  // online softmax, probabilities in place
       const int64_t visible = std::min<int64_t>(nt, limit[m] - j0);
       float* pm = &p[m * KB];
@@ -137,10 +137,10 @@ void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
     if (pairs) {
       for (int64_t m = 0; m < M; ++m)
         bf16_row(p + m * KB, ntp, reinterpret_cast<uint16_t*>(pb + m * KB / 2));
-      tile_values_bf16(pb, KB / 2, int(M), vp, D, nt, o);
+      tile_values<Bf16PairTiles>(pb, KB / 2, int(M), vp, D, nt, o);
     } else
 #endif
-      tile_values(p, KB, int(M), vt, D, nt, o);
+      tile_values<FloatTiles>(p, KB, int(M), vt, D, nt, o);
   }
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = i0 + m / G, hq = h * G + m % G;

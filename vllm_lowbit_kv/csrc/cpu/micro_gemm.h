@@ -1,13 +1,21 @@
-// The two small matrix products of attention over a float tile of keys and values, as
-// vLLM's CPU micro-GEMM does them: broadcast one element of a query (or probability) row,
-// multiply a vector of 16 keys (or channels), keep a block of accumulators in registers.
-// Both CPU kernels use them: dense_attention.cpp for bf16/float32 K/V, packed_attention.cpp
-// for prefill chunks, on groups decoded to such tiles once for all their query vectors.
+// The two small matrix products of attention over a tile of keys and values, as vLLM's CPU
+// micro-GEMM does them: broadcast one element of a query (or probability) row, multiply a
+// vector of 16 keys (or channels), keep a block of accumulators in registers. Both CPU
+// kernels use them: dense_attention.cpp for bf16/float32 K/V, packed_attention.cpp for
+// prefill chunks, on groups decoded to such tiles once for all their query vectors.
+//
+// Two tile types, one set of kernels: FloatTiles (float32 FMAs) and, where the build has
+// AVX-512 BF16, Bf16PairTiles (VDPBF16PS: elements 2i and 2i + 1 of a row share one 32-bit
+// word, both products exact, added to one float32 lane: twice the rate). A pair tile holds
+// keys as pairs of channels per token (kp[p * ldk + t] = channels 2p, 2p + 1 of key t),
+// values as pairs of tokens per channel (vp[i * D + c] = channel c of tokens 2i, 2i + 1),
+// queries and probabilities as bf16 rows read two elements at a time.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 #include "vectors.h"
@@ -47,107 +55,129 @@ class TilePool {
 constexpr int kScoreRows = 6;  // query rows per score block (6 x 4 accumulators)
 constexpr int kValueRows = 4;  // probability rows per value block (4 x 4 accumulators)
 
-// sc[r * ldc + t] = sum_d q[r * D + d] kt[d * ldk + t] for rows r < R, tokens t < NV L
-template <int R, int NV>
-inline void score_block(const float* q, int64_t D, const float* kt, int64_t ldk, float* sc,
-                        int64_t ldc) {
-  vf acc[R][NV] = {};
-  for (int64_t d = 0; d < D; ++d) {
-    vf b[NV];
-    for (int j = 0; j < NV; ++j) b[j] = loadf(kt + d * ldk + j * L);
+template <int N>
+using Int = std::integral_constant<int, N>;
+
+// f(Int<B>{}, i) for i = 0, B, 2B, ... while a whole block of B fits in n, then once more
+// with the rest (B <= 6): the block sizes become template arguments of the kernels
+template <int B, typename F>
+inline void in_blocks(int64_t n, F&& f) {
+  int64_t i = 0;
+  for (; i + B <= n; i += B) f(Int<B>{}, i);
+  switch (n - i) {
+    case 5: if constexpr (B > 5) f(Int<5>{}, i); break;
+    case 4: if constexpr (B > 4) f(Int<4>{}, i); break;
+    case 3: if constexpr (B > 3) f(Int<3>{}, i); break;
+    case 2: if constexpr (B > 2) f(Int<2>{}, i); break;
+    case 1: if constexpr (B > 1) f(Int<1>{}, i); break;
+  }
+}
+
+// float32 elements, float32 FMAs
+struct FloatTiles {
+  using Elem = float;
+  using Acc = vf;
+  using B = vf;
+  static constexpr int kPack = 1;  // elements per word
+  static Acc zero() { return vf{}; }
+  static Acc load_acc(const float* p) { return loadf(p); }
+  static void store_acc(float* p, Acc a) { storef(p, a); }
+  static B load(const Elem* p) { return loadf(p); }
+  static B broadcast(Elem x) { return splat(x); }
+  static Acc madd(Acc acc, B a, B b) { return acc + a * b; }
+};
+
+#if defined(__AVX512BF16__)
+// bf16 pairs, VDPBF16PS
+struct Bf16PairTiles {
+  using Elem = uint32_t;
+  using Acc = __m512;
+  using B = __m512i;
+  static constexpr int kPack = 2;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc load_acc(const float* p) { return _mm512_loadu_ps(p); }
+  static void store_acc(float* p, Acc a) { _mm512_storeu_ps(p, a); }
+  static B load(const Elem* p) { return _mm512_loadu_si512(p); }
+  static B broadcast(Elem x) { return _mm512_set1_epi32(int(x)); }
+  static Acc madd(Acc acc, B a, B b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+};
+constexpr bool kBf16Tiles = true;
+#else
+constexpr bool kBf16Tiles = false;
+#endif
+
+// sc[r * ldc + t] = sum_k q[r * K + k] kt[k * ldk + t] for rows r < R, tokens t < NV L,
+// over K words (D / kPack)
+template <typename P, int R, int NV>
+inline void score_block(const typename P::Elem* q, int64_t K, const typename P::Elem* kt,
+                        int64_t ldk, float* sc, int64_t ldc) {
+  typename P::Acc acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = P::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    typename P::B b[NV];
+    for (int j = 0; j < NV; ++j) b[j] = P::load(kt + k * ldk + j * L);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const vf a = splat(q[r * D + d]);
-      for (int j = 0; j < NV; ++j) acc[r][j] += a * b[j];
+      const typename P::B a = P::broadcast(q[r * K + k]);
+      for (int j = 0; j < NV; ++j) acc[r][j] = P::madd(acc[r][j], a, b[j]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) storef(sc + r * ldc + j * L, acc[r][j]);
+    for (int j = 0; j < NV; ++j) P::store_acc(sc + r * ldc + j * L, acc[r][j]);
 }
 
-template <int R>
-inline void score_rows(const float* q, int64_t D, const float* kt, int64_t ldk, int n,
-                       float* sc, int64_t ldc) {
-  int t0 = 0;
-  for (; t0 + 4 * L <= n; t0 += 4 * L) score_block<R, 4>(q, D, kt + t0, ldk, sc + t0, ldc);
-  switch ((n - t0) / L) {
-    case 3: score_block<R, 3>(q, D, kt + t0, ldk, sc + t0, ldc); break;
-    case 2: score_block<R, 2>(q, D, kt + t0, ldk, sc + t0, ldc); break;
-    case 1: score_block<R, 1>(q, D, kt + t0, ldk, sc + t0, ldc); break;
-  }
+// Scores of M query rows (q: rows of D elements) against n keys given transposed (kt[k *
+// ldk + t], k over words; n a multiple of L): sc[m * ldc + t] = q_m . k_t.
+template <typename P>
+inline void tile_scores(const typename P::Elem* q, int M, int64_t D, const typename P::Elem* kt,
+                        int64_t ldk, int n, float* sc, int64_t ldc) {
+  const int64_t K = D / P::kPack;
+  in_blocks<kScoreRows>(M, [&](auto R, int64_t m) {
+    in_blocks<4>(n / L, [&](auto NV, int64_t j) {
+      score_block<P, decltype(R)::value, decltype(NV)::value>(q + m * K, K, kt + j * L, ldk,
+                                                              sc + m * ldc + j * L, ldc);
+    });
+  });
 }
 
-// Scores of M query rows (q: rows of D floats, already scaled) against n keys given
-// transposed (kt[d * ldk + t]; n a multiple of L): sc[m * ldc + t] = q_m . k_t.
-inline void tile_scores(const float* q, int M, int64_t D, const float* kt, int64_t ldk, int n,
-                        float* sc, int64_t ldc) {
-  int m = 0;
-  for (; m + kScoreRows <= M; m += kScoreRows)
-    score_rows<kScoreRows>(q + m * D, D, kt, ldk, n, sc + m * ldc, ldc);
-  switch (M - m) {
-    case 5: score_rows<5>(q + m * D, D, kt, ldk, n, sc + m * ldc, ldc); break;
-    case 4: score_rows<4>(q + m * D, D, kt, ldk, n, sc + m * ldc, ldc); break;
-    case 3: score_rows<3>(q + m * D, D, kt, ldk, n, sc + m * ldc, ldc); break;
-    case 2: score_rows<2>(q + m * D, D, kt, ldk, n, sc + m * ldc, ldc); break;
-    case 1: score_rows<1>(q + m * D, D, kt, ldk, n, sc + m * ldc, ldc); break;
-  }
-}
-
-// o[r * D + c] += sum_{t < n} p[r * ldp + t] v[t * D + c] for rows r < R, channels
-// [c0, c0 + CW L)
-template <int R, int CW>
-inline void value_block(const float* p, int64_t ldp, const float* v, int64_t D, int64_t c0,
-                        int n, float* o) {
-  vf acc[R][CW];
+// o[r * D + c] += sum_i p[r * ldp + i] v[i * D + c] for rows r < R, channels [c0, c0 + CW
+// L), over `steps` words of p (tokens, or token pairs)
+template <typename P, int R, int CW>
+inline void value_block(const typename P::Elem* p, int64_t ldp, const typename P::Elem* v,
+                        int64_t D, int64_t c0, int steps, float* o) {
+  typename P::Acc acc[R][CW];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CW; ++c) acc[r][c] = loadf(o + r * D + c0 + c * L);
-  for (int t = 0; t < n; ++t) {
-    vf b[CW];
-    for (int c = 0; c < CW; ++c) b[c] = loadf(v + t * D + c0 + c * L);
+    for (int c = 0; c < CW; ++c) acc[r][c] = P::load_acc(o + r * D + c0 + c * L);
+  for (int i = 0; i < steps; ++i) {
+    typename P::B b[CW];
+    for (int c = 0; c < CW; ++c) b[c] = P::load(v + i * D + c0 + c * L);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const vf a = splat(p[r * ldp + t]);
-      for (int c = 0; c < CW; ++c) acc[r][c] += a * b[c];
+      const typename P::B a = P::broadcast(p[r * ldp + i]);
+      for (int c = 0; c < CW; ++c) acc[r][c] = P::madd(acc[r][c], a, b[c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CW; ++c) storef(o + r * D + c0 + c * L, acc[r][c]);
+    for (int c = 0; c < CW; ++c) P::store_acc(o + r * D + c0 + c * L, acc[r][c]);
 }
 
-template <int R>
-inline void value_rows(const float* p, int64_t ldp, const float* v, int64_t D, int n, float* o) {
-  int64_t c0 = 0;
-  for (; c0 + 4 * L <= D; c0 += 4 * L) value_block<R, 4>(p, ldp, v, D, c0, n, o);
-  switch ((D - c0) / L) {
-    case 3: value_block<R, 3>(p, ldp, v, D, c0, n, o); break;
-    case 2: value_block<R, 2>(p, ldp, v, D, c0, n, o); break;
-    case 1: value_block<R, 1>(p, ldp, v, D, c0, n, o); break;
-  }
-}
-
-// Weighted value rows of M probability rows over n value rows (v[t * D + c], D a multiple
-// of L): o[m * D + c] += sum_t p[m * ldp + t] v_tc.
-inline void tile_values(const float* p, int64_t ldp, int M, const float* v, int64_t D, int n,
-                        float* o) {
-  int m = 0;
-  for (; m + kValueRows <= M; m += kValueRows)
-    value_rows<kValueRows>(p + m * ldp, ldp, v, D, n, o + m * D);
-  switch (M - m) {
-    case 3: value_rows<3>(p + m * ldp, ldp, v, D, n, o + m * D); break;
-    case 2: value_rows<2>(p + m * ldp, ldp, v, D, n, o + m * D); break;
-    case 1: value_rows<1>(p + m * ldp, ldp, v, D, n, o + m * D); break;
-  }
+// Weighted value rows of M probability rows (ldp words apart) over n tokens (v: D channels
+// per word row, D a multiple of L): o[m * D + c] += sum_t p[m, t] v_tc.
+template <typename P>
+inline void tile_values(const typename P::Elem* p, int64_t ldp, int M,
+                        const typename P::Elem* v, int64_t D, int n, float* o) {
+  const int steps = (n + P::kPack - 1) / P::kPack;
+  in_blocks<kValueRows>(M, [&](auto R, int64_t m) {
+    in_blocks<4>(D / L, [&](auto CW, int64_t c) {
+      value_block<P, decltype(R)::value, decltype(CW)::value>(p + m * ldp, ldp, v, D, c * L,
+                                                              steps, o + m * D);
+    });
+  });
 }
 
 #if defined(__AVX512BF16__)
-// -- bf16 pair tiles (AVX-512 BF16) ---------------------------------------------------------
-// The same products at twice the rate: elements 2i and 2i + 1 of a row share one 32-bit
-// word, and VDPBF16PS multiplies both pairs exactly and adds them to one float32 lane.
-// Keys as pairs of channels per token (kp[p * ldk + t] = channels 2p, 2p + 1 of key t),
-// values as pairs of tokens per channel (vp[i * D + c] = channel c of tokens 2i, 2i + 1),
-// queries and probabilities as bf16 rows read two elements at a time.
-constexpr bool kBf16Tiles = true;
-
+// -- conversions to pair tiles ------------------------------------------------------------
 // 16 floats of a and 16 of b -> 16 words (a_l, b_l) rounded to bf16 (a in the low half)
 inline __m512i pair_words(const float* a, const float* b) {
   const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(b), _mm512_loadu_ps(a));
@@ -184,102 +214,6 @@ inline void value_pairs(const float* v, int64_t D, int n, const float* zeros, ui
                                                                       : zeros));
 }
 
-template <int R, int NV>
-inline void score_block_bf16(const uint32_t* qp, int64_t P, const uint32_t* kp, int64_t ldk,
-                             float* sc, int64_t ldc) {
-  __m512 acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < P; ++p) {
-    __m512i b[NV];
-    for (int j = 0; j < NV; ++j) b[j] = _mm512_loadu_si512(kp + p * ldk + j * L);
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m512i a = _mm512_set1_epi32(int(qp[r * P + p]));
-      for (int j = 0; j < NV; ++j)
-        acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)a, (__m512bh)b[j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(sc + r * ldc + j * L, acc[r][j]);
-}
-
-template <int R>
-inline void score_rows_bf16(const uint32_t* qp, int64_t P, const uint32_t* kp, int64_t ldk,
-                            int n, float* sc, int64_t ldc) {
-  int t0 = 0;
-  for (; t0 + 4 * L <= n; t0 += 4 * L) score_block_bf16<R, 4>(qp, P, kp + t0, ldk, sc + t0, ldc);
-  switch ((n - t0) / L) {
-    case 3: score_block_bf16<R, 3>(qp, P, kp + t0, ldk, sc + t0, ldc); break;
-    case 2: score_block_bf16<R, 2>(qp, P, kp + t0, ldk, sc + t0, ldc); break;
-    case 1: score_block_bf16<R, 1>(qp, P, kp + t0, ldk, sc + t0, ldc); break;
-  }
-}
-
-// tile_scores over pair tiles: qp holds M rows of D bf16 (P = D / 2 words each)
-inline void tile_scores_bf16(const uint32_t* qp, int M, int64_t D, const uint32_t* kp,
-                             int64_t ldk, int n, float* sc, int64_t ldc) {
-  const int64_t P = D / 2;
-  int m = 0;
-  for (; m + kScoreRows <= M; m += kScoreRows)
-    score_rows_bf16<kScoreRows>(qp + m * P, P, kp, ldk, n, sc + m * ldc, ldc);
-  switch (M - m) {
-    case 5: score_rows_bf16<5>(qp + m * P, P, kp, ldk, n, sc + m * ldc, ldc); break;
-    case 4: score_rows_bf16<4>(qp + m * P, P, kp, ldk, n, sc + m * ldc, ldc); break;
-    case 3: score_rows_bf16<3>(qp + m * P, P, kp, ldk, n, sc + m * ldc, ldc); break;
-    case 2: score_rows_bf16<2>(qp + m * P, P, kp, ldk, n, sc + m * ldc, ldc); break;
-    case 1: score_rows_bf16<1>(qp + m * P, P, kp, ldk, n, sc + m * ldc, ldc); break;
-  }
-}
-
-template <int R, int CW>
-inline void value_block_bf16(const uint32_t* pp, int64_t ldp, const uint32_t* vp, int64_t D,
-                             int64_t c0, int pairs, float* o) {
-  __m512 acc[R][CW];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CW; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + c0 + c * L);
-  for (int i = 0; i < pairs; ++i) {
-    __m512i b[CW];
-    for (int c = 0; c < CW; ++c) b[c] = _mm512_loadu_si512(vp + i * D + c0 + c * L);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m512i a = _mm512_set1_epi32(int(pp[r * ldp + i]));
-      for (int c = 0; c < CW; ++c)
-        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a, (__m512bh)b[c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CW; ++c) _mm512_storeu_ps(o + r * D + c0 + c * L, acc[r][c]);
-}
-
-template <int R>
-inline void value_rows_bf16(const uint32_t* pp, int64_t ldp, const uint32_t* vp, int64_t D,
-                            int pairs, float* o) {
-  int64_t c0 = 0;
-  for (; c0 + 4 * L <= D; c0 += 4 * L) value_block_bf16<R, 4>(pp, ldp, vp, D, c0, pairs, o);
-  switch ((D - c0) / L) {
-    case 3: value_block_bf16<R, 3>(pp, ldp, vp, D, c0, pairs, o); break;
-    case 2: value_block_bf16<R, 2>(pp, ldp, vp, D, c0, pairs, o); break;
-    case 1: value_block_bf16<R, 1>(pp, ldp, vp, D, c0, pairs, o); break;
-  }
-}
-
-// tile_values over pair tiles: pp holds M rows of bf16 probabilities (ldp words apart),
-// n tokens (vp: ceil(n / 2) token pairs)
-inline void tile_values_bf16(const uint32_t* pp, int64_t ldp, int M, const uint32_t* vp,
-                             int64_t D, int n, float* o) {
-  const int pairs = (n + 1) / 2;
-  int m = 0;
-  for (; m + kValueRows <= M; m += kValueRows)
-    value_rows_bf16<kValueRows>(pp + m * ldp, ldp, vp, D, pairs, o + m * D);
-  switch (M - m) {
-    case 3: value_rows_bf16<3>(pp + m * ldp, ldp, vp, D, pairs, o + m * D); break;
-    case 2: value_rows_bf16<2>(pp + m * ldp, ldp, vp, D, pairs, o + m * D); break;
-    case 1: value_rows_bf16<1>(pp + m * ldp, ldp, vp, D, pairs, o + m * D); break;
-  }
-}
-#else
-constexpr bool kBf16Tiles = false;
 #endif
 
 }  // namespace

@@ -1154,11 +1154,11 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
       if (pairs) {
         key_pairs(wk.kt, TP, D, TP, wk.kp);
         value_pairs(wk.vrows, D, T, wk.zeros, wk.vp);
-        tile_scores_bf16(wk.qb, M, D, wk.kp, TP, TP, sc, TP);
+        tile_scores<Bf16PairTiles>(wk.qb, M, D, wk.kp, TP, TP, sc, TP);
         for (int64_t i = 0; i < int64_t(M) * TP; i += L) storef(sc + i, loadf(sc + i) * run.scale);
       } else
 #endif
-        tile_scores(q, M, D, wk.kt, TP, TP, sc, TP);
+        tile_scores<FloatTiles>(q, M, D, wk.kt, TP, TP, sc, TP);
     } else {
       key_scores(f, st, q, M, sc, wk.s);
     }
@@ -1193,11 +1193,11 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
     if (pairs) {
       for (int m = 0; m < M; ++m)
         bf16_row(sc + int64_t(m) * TP, TP, reinterpret_cast<uint16_t*>(wk.pb + int64_t(m) * TP / 2));
-      tile_values_bf16(wk.pb, TP / 2, M, wk.vp, D, T, acc);
+      tile_values<Bf16PairTiles>(wk.pb, TP / 2, M, wk.vp, D, T, acc);
     } else
 #endif
     if (tiles)
-      tile_values(sc, TP, M, wk.vrows, D, T, acc);
+      tile_values<FloatTiles>(sc, TP, M, wk.vrows, D, T, acc);
     else
       accumulate_values(f, st + f.k_bytes, sc, M, acc, wk.s);
   }
