@@ -357,6 +357,14 @@ def test_forward_layer_cpp_equals_torch(scheme, sinks, obs_window):
 DENSE_TOL = dict(atol=1e-5, rtol=1e-5)
 
 
+def dense_op(q, k, v, scale, causal):
+    """The dense kernel's op itself (the wrapper takes bf16 only; the op also float32)."""
+    n, Hq, D = q.shape
+    out, lse = torch.empty(n, Hq, D), torch.empty(n, Hq)
+    torch.ops.lowbit_kv.dense_attention(q, k, v, causal, k.shape[0] - n, scale, out, lse)
+    return out, lse
+
+
 def dense_reference(q, k, v, scale, offset):
     """float32 attention of q [n, Hq, D] over k, v [S, H, D]; row i sees keys j <= i + offset
     (offset None: all), out 0 and lse -inf for a row that sees none."""
@@ -387,7 +395,7 @@ def test_dense_attention_matches_float32(built, n, extra, heads, D, causal, dtyp
     q = torch.randn(n, Hq, D, generator=g).to(dtype)
     k = (torch.randn(S, H, D, generator=g) * 2).to(dtype)
     v = torch.randn(S, H, D, generator=g).to(dtype)
-    out, lse = cpu.dense_attention(q, k, v, D ** -0.5, causal=causal)
+    out, lse = dense_op(q, k, v, D ** -0.5, causal)
     want_out, want_lse = dense_reference(q, k, v, D ** -0.5, S - n if causal else None)
     bf16 = dtype == torch.bfloat16
     torch.testing.assert_close(lse, want_lse, **(BF16_LSE_TOL if bf16 else DENSE_TOL))
@@ -417,25 +425,46 @@ def test_dense_attention_strides_empty_rows_and_poisoned_outputs(built):
                                             lse[:, :5].contiguous())
     assert cpu.dense_attention(q.half(), k.half(), v.half(), 0.1, causal=True) is None
     assert cpu.dense_attention(q.float(), k, v, 0.1, causal=True) is None
+    assert cpu.dense_attention(q.float(), k.float(), v.float(), 0.1, causal=True) is None
 
 
 def test_prefill_chunks_take_the_dense_kernel(built):
     """causal_attend_with_lse (the exact part of a prefill chunk) runs the dense kernel for
-    bf16 and float32 inputs on the CPU: float32 within summation order of attention, bf16
-    within its pair tiles' rounding."""
+    bf16 inputs on the CPU, within its pair tiles' rounding of float32 attention, and
+    torch's attention for float32 ones (the engines' parity runs), within summation order."""
     from vllm_lowbit_kv.paged.attention import causal_attend_with_lse
 
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(70, h, 64, generator=g) for h in (9, 3, 3))
-    for dtype in (torch.bfloat16, torch.float32):
-        args = [x.to(dtype) for x in (q, k, v)]
-        got = causal_attend_with_lse(*args, 0.125)
-        direct = cpu.dense_attention(*args, 0.125, causal=True)
-        assert torch.equal(got[0], direct[0]) and torch.equal(got[1], direct[1])
-        want_out, want_lse = dense_reference(*args, 0.125, 0)
-        bf16 = dtype == torch.bfloat16
-        torch.testing.assert_close(got[0], want_out, **(BF16_OUT_TOL if bf16 else DENSE_TOL))
-        torch.testing.assert_close(got[1], want_lse, **(BF16_LSE_TOL if bf16 else DENSE_TOL))
+    bf = [x.bfloat16() for x in (q, k, v)]
+    got = causal_attend_with_lse(*bf, 0.125)
+    direct = cpu.dense_attention(*bf, 0.125, causal=True)
+    assert torch.equal(got[0], direct[0]) and torch.equal(got[1], direct[1])
+    want_out, want_lse = dense_reference(*bf, 0.125, 0)
+    torch.testing.assert_close(got[0], want_out, **BF16_OUT_TOL)
+    torch.testing.assert_close(got[1], want_lse, **BF16_LSE_TOL)
+    out, lse = causal_attend_with_lse(q, k, v, 0.125)
+    want_out, want_lse = dense_reference(q, k, v, 0.125, 0)
+    torch.testing.assert_close(out, want_out, **DENSE_TOL)
+    torch.testing.assert_close(lse, want_lse, **DENSE_TOL)
+
+
+def test_prefill_exact_part_in_one_dense_call(built, monkeypatch):
+    """A bf16 prefill chunk's exact part (sinks and staged tokens whole, its own tokens
+    causally) in one dense call equals the two parts attended apart by torch and merged."""
+    import vllm_lowbit_kv.paged.attention as attention
+
+    g = torch.Generator().manual_seed(9)
+    Q = 100
+    q, k, v = (torch.randn(Q, h, 64, generator=g).bfloat16() for h in (9, 3, 3))
+    # sinks and a staged run as the pages and staging hold them: bf16 values, read as float32
+    ks = [torch.randn(1, n, 3, 64, generator=g).bfloat16().float() for n in (4, 37)]
+    vs = [torch.randn(1, n, 3, 64, generator=g).bfloat16().float() for n in (4, 37)]
+    out, lse = attention.prefill_exact_attention(q, k, v, ks, vs, 0.125)
+    monkeypatch.setattr(attention, "dense_attention", lambda *args, **kwargs: None)
+    want_out, want_lse = attention.prefill_exact_attention(q, k, v, ks, vs, 0.125)
+    torch.testing.assert_close(out, want_out, **BF16_OUT_TOL)
+    torch.testing.assert_close(lse, want_lse, **BF16_LSE_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -12,26 +12,12 @@ import pytest
 import torch
 
 from vllm_lowbit_kv.hf_cache import LowBitLayer
-from vllm_lowbit_kv.ops import cpu
 from vllm_lowbit_kv.hf_cache.layer import VisualTokens
 from vllm_lowbit_kv.paged import (PagedLayout, Staging, StagingAllocator, apply_writes, attend,
                                   attention_mass, forward_layer)
 from vllm_lowbit_kv.schemes import get_scheme
 
 H, HQ, D = 3, 9, 64
-
-
-@pytest.fixture(params=["dense kernel", "torch"])
-def exact_path(request, monkeypatch):
-    """The exact attention of a step two ways: the C++ library's dense kernel (built and
-    loaded, as the CPU server runs) and torch's attention (the kernel unavailable: no
-    compiler, or a CUDA device)."""
-    if request.param == "torch":
-        monkeypatch.setattr("vllm_lowbit_kv.paged.attention.dense_attention",
-                            lambda *args, **kwargs: None)
-    else:
-        assert cpu.load_library() is None
-    return request.param
 
 
 def make(scheme="kivi2", T=16, block_size=32, num_blocks=64, slots=8, sinks=0, q_heads=None,
@@ -144,10 +130,9 @@ def test_roundtrip_through_pages():
     ("kivi2", 0, 0, "none"), ("kivi4", 0, 0, "none"), ("vidkv", 3, 0, "none"),
     ("kivi2", 16, 0, "none"), ("kivi2", 0, 2, "none"), ("vidkv", 3, 1, "none"),
     ("vidkv", 3, 3, "none"), ("kivi2", 0, 0, "hadamard"), ("vidkv", 3, 2, "hadamard")])
-def test_chunked_prefill_and_decode_match_reference(scheme, sinks, window, rotate, exact_path):
+def test_chunked_prefill_and_decode_match_reference(scheme, sinks, window, rotate):
     """The packed groups read through the codec (rotated by the layout when it rotates:
-    the reference decodes back to the model's space), the window and tail exact; the
-    exact parts through the dense kernel and through torch."""
+    the reference decodes back to the model's space), the window and tail exact."""
     torch.manual_seed(0)
     layout, pages, staging, alloc = make(scheme, sinks=sinks, window=window,
                                          slots=3 * (window + 1), rotate=rotate)

@@ -75,8 +75,11 @@ LIBRARY = "lowbit_kv_cpu"  # the library; its ops are torch.ops.lowbit_kv.*
 
 name = "cpp"
 LANES = 16  # floats per vector in the kernel: head_dim must be a multiple
-#: what dense_attention reads
-DENSE_DTYPES = (torch.bfloat16, torch.float32)
+#: what dense_attention takes: bf16 only. float32 runs (the engines' parity checks) keep
+#: torch's attention, the transformers engine's own arithmetic: a last-bit difference in a
+#: first chunk's hidden states flips 1- and 2-bit codes of the next layers' pages and moved
+#: vidkv's parity perplexity by 0.2% (the kernel itself takes float32 too)
+DENSE_DTYPES = (torch.bfloat16,)
 
 _build_lock = threading.Lock()
 _build_error: str | None = None
@@ -240,12 +243,12 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
 
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                     causal: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Attention of query [n, Hq, D] over key, value [S, H, D], all bfloat16 or all float32
-    on the CPU (causal: row i sees keys j <= i + S - n), by the C++ kernel
-    (``csrc/cpu/dense_attention.cpp``: float32 arithmetic, or bf16 products with float32
-    sums for bf16 inputs): out [n, Hq, D] and lse [n, Hq] float32. None
-    where it does not run: other dtypes or devices, a head_dim it does not take, or the
-    kernel library not loaded (this never builds it)."""
+    """Attention of query [n, Hq, D] over key, value [S, H, D], all bfloat16 on the CPU
+    (causal: row i sees keys j <= i + S - n), by the C++ kernel
+    (``csrc/cpu/dense_attention.cpp``: bf16 products with float32 sums where the CPU has
+    AVX-512 BF16, else float32): out [n, Hq, D] and lse [n, Hq] float32. None where it
+    does not run: other dtypes (:data:`DENSE_DTYPES`) or devices, a head_dim it does not
+    take, or the kernel library not loaded (this never builds it)."""
     if not _built or query.device.type != "cpu" or query.dtype not in DENSE_DTYPES or not (
             query.dtype == key.dtype == value.dtype) or query.shape[-1] % LANES:
         return None

@@ -89,10 +89,10 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
 def causal_attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of Q fresh rows over themselves, and its log-sum-exp: q [Q, Hq, D];
-    k, v [Q, H, D] -> out [Q, Hq, D], lse [Q, Hq] float32. On the CPU the C++ dense kernel
-    (:func:`~vllm_lowbit_kv.ops.cpu.dense_attention`: matrix products over bf16 or float32
-    inputs); where it does not run, torch's fused CPU kernel (with no mask it skips the
-    blocks above the diagonal, half of a prefill chunk's work) or plain products."""
+    k, v [Q, H, D] -> out [Q, Hq, D], lse [Q, Hq] float32. bf16 on the CPU: the C++ dense
+    kernel (:func:`~vllm_lowbit_kv.ops.cpu.dense_attention`); otherwise (float32, as the
+    engines' parity runs use, or no kernel) torch's fused CPU kernel (with no mask it skips
+    the blocks above the diagonal, half of a prefill chunk's work) or plain products."""
     dense = dense_attention(q, k, v, scale, causal=True)
     if dense is not None:
         return dense
