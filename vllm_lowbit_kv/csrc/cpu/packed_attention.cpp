@@ -1066,27 +1066,6 @@ inline float load_q(const Run& run, int64_t row, int64_t head, int64_t c) {
   }
 }
 
-// Per-thread buffers of the item loop (the scratch also serves the tile decode's D and T
-// basis vectors).
-struct Work {
-  Scratch s;
-  TilePool tiles;
-  float *q, *sc, *acc, *mrun, *lsum;
-  float *kt, *vrows, *basis;  // tile path: K^T [D][TP], V [TP][D], basis vectors
-  uint32_t *qb, *kp, *vp, *pb;  // its bf16 pair tiles (micro_gemm.h): q, K, V, probabilities
-  const float* zeros;           // [D]
-  Work(const Format& f, int M)
-      : s(f, std::max({M, f.D, f.TP})),
-        tiles({int64_t(M) * f.D, int64_t(M) * f.TP, int64_t(M) * f.D, M, M,
-               int64_t(f.D) * f.TP, int64_t(f.TP) * f.D,
-               int64_t(std::max(f.D, f.TP)) * std::max(f.D, f.TP), int64_t(M) * f.D / 2,
-               int64_t(f.D) * f.TP / 2, int64_t(f.TP) * f.D / 2, int64_t(M) * f.TP / 2, f.D}),
-        q(tiles[0]), sc(tiles[1]), acc(tiles[2]), mrun(tiles[3]), lsum(tiles[4]), kt(tiles[5]),
-        vrows(tiles[6]), basis(tiles[7]), qb(reinterpret_cast<uint32_t*>(tiles[8])),
-        kp(reinterpret_cast<uint32_t*>(tiles[9])), vp(reinterpret_cast<uint32_t*>(tiles[10])),
-        pb(reinterpret_cast<uint32_t*>(tiles[11])), zeros(tiles[12]) {}
-};
-
 // Query vectors from which an item decodes each group once to float tiles and multiplies
 // them (micro_gemm.h) instead of folding every query vector into the codes (a prefill
 // chunk): the decode costs a few hundred query vectors' worth of the folded path, the
@@ -1094,6 +1073,30 @@ struct Work {
 // one thread: tiles 10-15% faster per row from 96-128 rows x 3 query heads, 25% slower at
 // 64 rows; 20-25% faster at 512.
 constexpr int kTileMinVectors = 256;
+
+// Per-thread buffers of the item loop (the scratch also serves the tile decode's D and T
+// basis vectors; the tile buffers are empty unless an item of the call reaches the tile
+// path).
+struct Work {
+  Scratch s;
+  TilePool tiles;
+  float *q, *sc, *acc, *mrun, *lsum;
+  float *kt, *vrows, *basis;  // tile path: K^T [D][TP], V [TP][D], basis vectors
+  uint32_t *qb, *kp, *vp, *pb;  // its bf16 pair tiles (micro_gemm.h): q, K, V, probabilities
+  const float* zeros;           // [D]
+  // tile: whether an item of the call takes the tile path (1) or not (0: empty buffers)
+  Work(const Format& f, int M, int64_t tile)
+      : s(f, tile ? std::max({M, f.D, f.TP}) : M),
+        tiles({int64_t(M) * f.D, int64_t(M) * f.TP, int64_t(M) * f.D, M, M,
+               tile * f.D * f.TP, tile * f.TP * f.D,
+               tile * std::max(f.D, f.TP) * std::max(f.D, f.TP), tile * M * f.D / 2,
+               tile * f.D * f.TP / 2, tile * f.TP * f.D / 2, tile * M * f.TP / 2, tile * f.D}),
+        q(tiles[0]), sc(tiles[1]), acc(tiles[2]), mrun(tiles[3]), lsum(tiles[4]), kt(tiles[5]),
+        vrows(tiles[6]), basis(tiles[7]), qb(reinterpret_cast<uint32_t*>(tiles[8])),
+        kp(reinterpret_cast<uint32_t*>(tiles[9])), vp(reinterpret_cast<uint32_t*>(tiles[10])),
+        pb(reinterpret_cast<uint32_t*>(tiles[11])), zeros(tiles[12]) {}
+};
+
 
 // Group st decoded as tiles: wk.kt[c * TP + t] = k_t[c] and wk.vrows[t * D + c] = v_t[c]
 // (tokens in [T, TP) finite junk). The codecs are linear in what the kernel folds into
@@ -1370,7 +1373,7 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
           query.stride(1), Hq, G, float(scale)};
 
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
-    Work wk(f, int(max_m));
+    Work wk(f, int(max_m), int64_t(max_m >= kTileMinVectors));
     for (int64_t k = begin; k < end; ++k) {
       const Item& it = items[k];
       if (it.partial >= 0) {
