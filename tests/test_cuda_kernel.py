@@ -105,7 +105,9 @@ def test_kernel_compiles_with_nvcc(arch, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stderr
     assert "packed_attention_kernel" in log and "combine_splits_kernel" in log
-    assert re.findall(r"(\d+) bytes spill stores", log) == ["0", "0"], log[-2000:]
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    # one packed kernel per head count (1, 2, 3, 4, 8, 16) and the combine kernel
+    assert len(spills) == 7 and set(spills) == {"0"}, log[-2000:]
 
 
 @pytest.mark.skipif(shutil.which("g++") is None or _nvcc() is None,

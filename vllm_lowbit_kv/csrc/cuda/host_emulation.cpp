@@ -4,7 +4,8 @@
 // Emulated, and only as far as packed_attention.cu uses it: thread/block indices,
 // dynamic shared memory, __syncthreads / __syncwarp (barriers), __shfl_xor_sync (a
 // per-warp exchange between two barriers, so every lane of the warp must call it, as
-// in the kernel), __popc, __ldg. Memory is host memory; blocks run one after another.
+// in the kernel), __popc, __ldg, __funnelshift_r, __uint_as_float; the kernel's cp.async
+// copies are plain copies here (LOWBIT_HOST_EMULATION), so its waits are no-ops. Memory is host memory; blocks run one after another.
 // Not a CUDA emulator: no timing, no memory model beyond barriers, float math by the
 // host compiler.
 #include <cuda_fp16.h>
@@ -14,6 +15,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -46,6 +48,17 @@ inline float shfl_xor(float v, int lane_mask) {
   const float r = state->exchange[t - lane + (lane ^ lane_mask)];
   sync_warp();
   return r;
+}
+
+inline unsigned funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
+  const unsigned long long v = (static_cast<unsigned long long>(hi) << 32) | lo;
+  return static_cast<unsigned>(v >> (shift & 31u));
+}
+
+inline float uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
 }
 
 inline unsigned char* shared_memory() {
@@ -85,6 +98,8 @@ void launch(Kernel kernel, dim3 grid, int threads, size_t smem, const Arg& arg) 
 #define __shfl_xor_sync(mask, v, lane_mask) emu::shfl_xor((v), (lane_mask))
 #define __popc(x) __builtin_popcount(x)
 #define __ldg(p) (*(p))
+#define __funnelshift_r(lo, hi, shift) emu::funnelshift_r((lo), (hi), (shift))
+#define __uint_as_float(u) emu::uint_as_float(u)
 #define LOWBIT_HOST_EMULATION 1
 
 #include "packed_attention.cu"
@@ -94,7 +109,7 @@ extern "C" int lowbit_packed_attention_emulated(const LowbitAttentionArgs* args)
   if (lowbit_packed_attention_check(args) != nullptr) return 1;
   if (args->num_rows == 0) return 0;
   const LaunchPlan plan = launch_plan(*args);
-  emu::launch(packed_attention_kernel, plan.grid, plan.threads, plan.smem, *args);
+  emu::launch(plan.kernel, plan.grid, plan.threads, plan.smem, *args);
   if (args->num_splits > 1)
     emu::launch(combine_splits_kernel, dim3(args->num_rows * args->Hq), args->fmt.D, 0, *args);
   return 0;

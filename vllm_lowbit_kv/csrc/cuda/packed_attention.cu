@@ -5,21 +5,31 @@
 // of the request's groups (split-K); with several splits a second kernel
 // combines the splits' normalized outputs by their log-sum-exp.
 //
-// Per group: the group's state (K then V bytes, ~2 KB for vidkv at T = 64,
-// D = 64) is copied to shared memory with 4-byte loads, then
-//  1. key coefficients: the query is folded into the key codes' scale factors,
-//     coef[g][i] = q[g][c(i)] * scale(i), and the constant part into bias[g]
-//     (KIVI: per channel; VidKV: q is scattered into the state's channel
-//     order from the channel mask, and for the FFT components transformed once
-//     per group, qt = W q_n with W the fixed real inverse of the unique rfft
-//     parts, instead of rebuilding T keys);
-//  2. scores s[g][t] = bias[g] + sum_i code[t][i] * coef[g][i] (4 lanes per
-//     token, shuffle-reduced), masked below skip_tokens;
-//  3. online softmax per head (one warp per head);
-//  4. values decoded element by element (KIVI per token / per channel,
-//     ternary with or without STP-protected 2-bit tokens) and accumulated in
-//     registers, thread (channel, token slice) x all heads.
-// Only packed bytes are read; nothing is written but the outputs.
+// Design (the first version was instruction-bound at ~1% of the bandwidth: per
+// element runtime bit widths, integer divisions, trit loops, 16 guarded head
+// slots, serial global reads of the FFT map, no overlap of loads and compute):
+//  * templated on the number of heads computed (GP in 1, 2, 3, 4, 8, 16; other
+//    GQA factors round up with zero queries), so the per-head loops unroll
+//    with no guards; per-element state ([channel or token][head]) is stored
+//    head-minor with a row of RS = GP rounded up to a power of two, so one
+//    vector shared-memory load gives a code's coefficients (or a token's
+//    probabilities) for every head;
+//  * codec kinds and bit widths dispatch once per group (a uniform branch) to
+//    inner loops templated on the width: a thread reads its token's packed
+//    codes as 32-bit words (a funnel shift for any bit alignment), 32 / bits
+//    codes per word, each code turned into a float with two integer-free ops;
+//  * group states are double-buffered in shared memory: the next group's
+//    bytes are copied with cp.async (sm_80+) while the current one is computed;
+//  * VidKV: the FFT inverse map is staged in shared memory once per block; per
+//    group the query is scattered into the state's channel order and
+//    transformed once (coef = query folded into the code scales, bias = the
+//    constant part); ternary values are decoded five trits per byte into a
+//    shared int8 tile once per group (constant divisions), the per-channel
+//    magnitude applied once per element from a register.
+// Per group: scatter/decode | coefficients | scores (a token per thread or per
+// 2-4 lanes) | online softmax (a warp per head) | values (thread = channel x
+// token slice, all heads in registers). Only packed bytes are read; nothing is
+// written but the outputs.
 
 #include <cuda_fp16.h>
 #include <math.h>
@@ -28,8 +38,8 @@
 
 namespace {
 
-constexpr int kScoreLanes = 4;  // lanes per token in the score step (divides 32)
 constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kMagic = 8388608.f;  // 2^23: __uint_as_float(0x4B000000 | u) - 2^23 == u
 
 __device__ __forceinline__ float load_f16(const uint8_t* p, int idx) {
   const unsigned short bits =
@@ -37,17 +47,13 @@ __device__ __forceinline__ float load_f16(const uint8_t* p, int idx) {
   return __half2float(__ushort_as_half(bits));
 }
 
-// code number e of a little-end-first packed array of `bits`-bit codes
-__device__ __forceinline__ int code_at(const uint8_t* p, int e, int bits) {
-  const int per = 8 / bits;
-  return (p[e / per] >> ((e % per) * bits)) & ((1 << bits) - 1);
-}
+// small unsigned integer (< 2^23) as float without a conversion instruction
+__device__ __forceinline__ float u2f(uint32_t u) { return __uint_as_float(0x4B000000u | u) - kMagic; }
 
-// trit number e (-1, 0, 1) of a base-3 array, five per byte
-__device__ __forceinline__ int trit_at(const uint8_t* p, int e) {
-  int b = p[e / 5];
-  for (int d = e % 5; d > 0; --d) b /= 3;
-  return b % 3 - 1;
+// 32 bits of the state starting at bit `pos` (state 4-byte aligned, padded by 4 bytes)
+__device__ __forceinline__ uint32_t bits32(const uint32_t* words, int pos) {
+  const uint32_t lo = words[pos >> 5], hi = words[(pos >> 5) + 1];
+  return __funnelshift_r(lo, hi, static_cast<uint32_t>(pos) & 31u);
 }
 
 // number of set bits below bit `i` of a little-end-first bit array
@@ -57,8 +63,39 @@ __device__ __forceinline__ int bits_before(const uint8_t* mask, int i) {
   return n;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+__host__ __device__ constexpr int row_stride(int gp) { return gp <= 1 ? 1 : gp <= 2 ? 2 : gp <= 4 ? 4 : gp <= 8 ? 8 : 16; }
+
+// the GP values of a head-minor row of RS floats (16-byte aligned when RS >= 4)
+template <int GP>
+__device__ __forceinline__ void load_row(const float* p, float (&x)[GP]) {
+  constexpr int RS = row_stride(GP);
+  if constexpr (RS == 1) {
+    x[0] = p[0];
+  } else if constexpr (RS == 2) {
+    const float2 v = *reinterpret_cast<const float2*>(p);
+    x[0] = v.x;
+    x[1] = v.y;
+  } else {
+#pragma unroll
+    for (int k = 0; k < RS / 4; ++k) {
+      const float4 v = reinterpret_cast<const float4*>(p)[k];
+      const float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (4 * k + i < GP) x[4 * k + i] = e[i];
+    }
+  }
+}
+
+template <int GP>
+__device__ __forceinline__ void store_row(float* p, const float (&x)[GP]) {
+#pragma unroll
+  for (int g = 0; g < GP; ++g) p[g] = x[g];
+}
+
+template <int GP>
+__device__ __forceinline__ float warp_sum_lanes(float v, int width) {
+  for (int o = width / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
 
@@ -67,20 +104,41 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-struct Smem {
-  float* q;       // [G][D] scaled query
-  float* qperm;   // [G][D] query in the state's channel order (VidKV)
-  float* coef;    // [G][D] coefficient of each key code
-  float* scores;  // [G][T] scores, then probabilities
-  float* bias;    // [G]
-  float* m;       // [G] running max (log2 units)
-  float* l;       // [G] running sum
-  float* corr;    // [G] rescale of this group
-  int* rank;      // [T] token's row among the protected / unprotected tokens (STP)
-  int* prot;      // [T]
-  float* red;     // [P][G][D] final reduction over token slices
-  uint8_t* state; // one group state
-};
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// -- asynchronous global -> shared copies (cp.async on sm_80+, a plain copy elsewhere) --
+__device__ __forceinline__ void copy4_async(uint32_t* dst, const uint32_t* src) {
+#if defined(LOWBIT_HOST_EMULATION)
+  *dst = *src;
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src) : "memory");
+#else
+  *dst = __ldg(src);
+#endif
+}
+
+__device__ __forceinline__ void copy_commit() {
+#if !defined(LOWBIT_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// wait until at most one committed copy group is still in flight
+__device__ __forceinline__ void copy_wait_one() {
+#if !defined(LOWBIT_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void copy_wait_all() {
+#if !defined(LOWBIT_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
 
 __host__ __device__ inline int align16(int bytes) { return (bytes + 15) / 16 * 16; }
 
@@ -89,186 +147,134 @@ __host__ __device__ inline int threads_for(int D) { return D <= 128 ? 128 : 256;
 __host__ __device__ inline int imin(int x, int y) { return x < y ? x : y; }
 __host__ __device__ inline int imax(int x, int y) { return x > y ? x : y; }
 
-__host__ __device__ inline int smem_bytes(const LowbitAttentionArgs& a, int threads) {
-  const int G = a.Hq / a.fmt.H, D = a.fmt.D, T = a.fmt.T, P = threads / D;
-  const int floats = 3 * G * D + G * T + 4 * G + P * G * D;
-  return align16(floats * 4 + 2 * T * 4) + align16(a.fmt.state_bytes);
-}
+// heads computed per block (GQA factor rounded up to an instantiated count)
+__host__ __device__ inline int heads_computed(int G) { return G <= 4 ? G : G <= 8 ? 8 : 16; }
 
-__device__ Smem carve(unsigned char* base, const LowbitAttentionArgs& a, int threads) {
-  const int G = a.Hq / a.fmt.H, D = a.fmt.D, T = a.fmt.T, P = threads / D;
-  Smem s;
-  float* f = reinterpret_cast<float*>(base);
-  s.q = f; f += G * D;
-  s.qperm = f; f += G * D;
-  s.coef = f; f += G * D;
-  s.scores = f; f += G * T;
-  s.bias = f; f += G;
-  s.m = f; f += G;
-  s.l = f; f += G;
-  s.corr = f; f += G;
-  s.red = f; f += P * G * D;
-  s.rank = reinterpret_cast<int*>(f);
-  s.prot = s.rank + T;
-  s.state = base + align16((3 * G * D + G * T + 4 * G + P * G * D) * 4 + 2 * T * 4);
+__host__ __device__ inline bool ternary_values(const LowbitPageFormat& f) { return f.val_kind == LOWBIT_VAL_TERNARY; }
+
+__host__ __device__ inline bool fft_keys(const LowbitPageFormat& f) { return f.key_kind == LOWBIT_KEY_VIDKV && f.fft; }
+
+// shared memory, in bytes from the (16-byte aligned) base
+struct SmemPlan {
+  int q, qperm, coef, wbias, stats, scores, red, fftw, rank, trits, state, state_stride, total;
+};
+
+__host__ __device__ inline SmemPlan smem_plan(const LowbitAttentionArgs& a, int threads) {
+  const LowbitPageFormat& f = a.fmt;
+  const int RS = row_stride(heads_computed(a.Hq / f.H)), D = f.D, T = f.T, P = threads / D;
+  SmemPlan s;
+  int at = 0;
+  s.q = at; at += align16(D * RS * 4);
+  s.qperm = at; at += align16(D * RS * 4);
+  s.coef = at; at += align16(D * RS * 4);
+  s.wbias = at; at += align16((threads / 32) * RS * 4);
+  s.stats = at; at += align16(5 * RS * 4);  // m, l, corr (rows of RS)
+  s.scores = at; at += align16(T * RS * 4);
+  s.red = at; at += align16(P * D * RS * 4);
+  s.fftw = at; at += fft_keys(f) ? align16(f.n1 * f.n1 * 4) : 0;
+  s.rank = at; at += align16(2 * T * 4);  // rank, prot (STP values)
+  s.trits = at; at += ternary_values(f) ? align16(T * D) : 0;
+  s.state_stride = align16(f.state_bytes + 8);  // + padding for 32-bit bit-window reads
+  s.state = at; at += 2 * s.state_stride;
+  s.total = at;
   return s;
 }
 
-// 1. key coefficients and biases of one group (state in shared memory)
-__device__ void key_coefficients(const LowbitAttentionArgs& a, const Smem& s, int G) {
-  const LowbitPageFormat& f = a.fmt;
-  const int D = f.D, tid = threadIdx.x, nthreads = blockDim.x;
-  const int lane = tid & 31, warp = tid >> 5, nwarps = nthreads >> 5;
-  const uint8_t* st = s.state;
-  if (f.key_kind == LOWBIT_KEY_KIVI_CHANNEL) {
-    for (int i = tid; i < G * D; i += nthreads) s.coef[i] = s.q[i] * load_f16(st + f.k_scale, i % D);
-    for (int g = warp; g < G; g += nwarps) {
-      float b = 0.f;
-      for (int c = lane; c < D; c += 32) b += s.q[g * D + c] * load_f16(st + f.k_zero, c);
-      b = warp_sum(b);
-      if (lane == 0) s.bias[g] = b;
-    }
-    return;
-  }
-  // VidKV: 2-bit channels first, then 1-bit ones, each in channel order (front_perm)
-  for (int c = tid; c < D; c += nthreads) {
-    const int two = (st[f.k_cmask + c / 8] >> (c % 8)) & 1;
-    const int before = bits_before(st + f.k_cmask, c);
-    const int dest = two ? before : f.n2 + (c - before);
-    for (int g = 0; g < G; ++g) s.qperm[g * D + dest] = s.q[g * D + c];
-  }
-  __syncthreads();
-  for (int g = warp; g < G; g += nwarps) {
-    const float* qp = s.qperm + g * D;
-    float b = 0.f;
-    for (int i = lane; i < f.n2; i += 32) {
-      s.coef[g * D + i] = qp[i] * load_f16(st + f.k_scale2, i);
-      b += qp[i] * load_f16(st + f.k_zero2, i);
-    }
-    for (int j = lane; j < f.n1; j += 32) {
-      float qt;
-      if (f.fft) {  // qt_j = sum_i W[j][i] q_n[i]: the query in the component domain
-        qt = 0.f;
-        for (int i = 0; i < f.n1; ++i) qt += __ldg(a.fft_inverse_t + i * f.n1 + j) * qp[f.n2 + i];
-      } else {
-        qt = qp[f.n2 + j];
+// sum over the codes of one token row: acc[g] += code[i] * coef[i][g], i < n, codes of
+// BITS bits from bit `pos` of the state; lane `sub` of `L` takes every L-th 32-bit word
+template <int BITS, int GP>
+__device__ __forceinline__ void dot_codes(const uint32_t* words, int pos, int n, int sub, int L,
+                                          const float* coef, float (&acc)[GP]) {
+  constexpr int RS = row_stride(GP), CPW = 32 / BITS;
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const int nw = (n + CPW - 1) / CPW;
+  for (int w = sub; w < nw; w += L) {
+    const uint32_t word = bits32(words, pos + w * 32);
+    const float* cf = coef + w * CPW * RS;
+    if ((w + 1) * CPW <= n) {
+#pragma unroll
+      for (int e = 0; e < CPW; ++e) {
+        const float x = u2f((word >> (e * BITS)) & MASK);
+        float c[GP];
+        load_row<GP>(cf + e * RS, c);
+#pragma unroll
+        for (int g = 0; g < GP; ++g) acc[g] = fmaf(x, c[g], acc[g]);
       }
-      const float hi = load_f16(st + f.k_hi, j);
-      const float lo = f.sign ? -hi : load_f16(st + f.k_lo, j);
-      s.coef[g * D + f.n2 + j] = qt * (hi - lo);
-      b += qt * lo;
-    }
-    b = warp_sum(b);
-    if (lane == 0) s.bias[g] = b;
-  }
-}
-
-// 2. scores of the group's T tokens for every head, masked below `skip`
-__device__ void key_scores(const LowbitAttentionArgs& a, const Smem& s, int G, int first_pos,
-                           int skip) {
-  const LowbitPageFormat& f = a.fmt;
-  const int D = f.D, T = f.T, tid = threadIdx.x, nthreads = blockDim.x;
-  const uint8_t* st = s.state;
-  for (int base = 0; base < T * kScoreLanes; base += nthreads) {  // uniform trip count
-    const int item = base + tid, t = item / kScoreLanes, sub = item % kScoreLanes;
-    float acc[LOWBIT_MAX_GQA];
+    } else {
+      for (int e = 0; e < n - w * CPW; ++e) {
+        const float x = u2f((word >> (e * BITS)) & MASK);
+        float c[GP];
+        load_row<GP>(cf + e * RS, c);
 #pragma unroll
-    for (int g = 0; g < LOWBIT_MAX_GQA; ++g) acc[g] = 0.f;
-    if (t < T) {
-      if (f.key_kind == LOWBIT_KEY_KIVI_CHANNEL) {
-        for (int c = sub; c < D; c += kScoreLanes) {
-          const float code = static_cast<float>(code_at(st + f.k_codes, t * D + c, f.key_bits));
-#pragma unroll
-          for (int g = 0; g < LOWBIT_MAX_GQA; ++g)
-            if (g < G) acc[g] += code * s.coef[g * D + c];
-        }
-      } else {
-        for (int i = sub; i < f.n2; i += kScoreLanes) {
-          const float code = static_cast<float>(code_at(st + f.k_codes2, t * f.n2 + i, 2));
-#pragma unroll
-          for (int g = 0; g < LOWBIT_MAX_GQA; ++g)
-            if (g < G) acc[g] += code * s.coef[g * D + i];
-        }
-        for (int j = sub; j < f.n1; j += kScoreLanes) {
-          if (code_at(st + f.k_codes1, t * f.n1 + j, 1)) {
-#pragma unroll
-            for (int g = 0; g < LOWBIT_MAX_GQA; ++g)
-              if (g < G) acc[g] += s.coef[g * D + f.n2 + j];
-          }
-        }
+        for (int g = 0; g < GP; ++g) acc[g] = fmaf(x, c[g], acc[g]);
       }
     }
+  }
+}
+
+// value code of element e (KIVI values), bits in {2, 4, 8}
+template <int BITS>
+__device__ __forceinline__ float value_code(const uint8_t* codes, int e) {
+  constexpr int PER = 8 / BITS;
+  return u2f((codes[e / PER] >> ((e % PER) * BITS)) & ((1u << BITS) - 1u));
+}
+
+template <int BITS, int GP>
+__device__ __forceinline__ void kivi_values(const LowbitPageFormat& f, const uint8_t* st, const float* p,
+                                            int c, int slice, int P, float (&acc)[GP]) {
+  constexpr int RS = row_stride(GP);
+  const int D = f.D, T = f.T;
+  const uint8_t* codes = st + f.v_codes;
+  if (f.val_kind == LOWBIT_VAL_KIVI_CHANNEL) {
+    const float s = load_f16(st + f.v_scale, c), z = load_f16(st + f.v_zero, c);
+    for (int t = slice; t < T; t += P) {
+      const float v = fmaf(value_code<BITS>(codes, t * D + c), s, z);
+      float pr[GP];
+      load_row<GP>(p + t * RS, pr);
 #pragma unroll
-    for (int g = 0; g < LOWBIT_MAX_GQA; ++g) {
-      if (g < G) {
-        for (int o = kScoreLanes / 2; o > 0; o >>= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
-      }
+      for (int g = 0; g < GP; ++g) acc[g] = fmaf(pr[g], v, acc[g]);
     }
-    if (t < T && sub == 0) {
-      const bool keep = first_pos + t >= skip;
+  } else {
+    const int per_tok = D / f.val_group, cg = c / f.val_group;
+    for (int t = slice; t < T; t += P) {
+      const int sidx = t * per_tok + cg;
+      const float v = fmaf(value_code<BITS>(codes, t * D + c), load_f16(st + f.v_scale, sidx),
+                           load_f16(st + f.v_zero, sidx));
+      float pr[GP];
+      load_row<GP>(p + t * RS, pr);
 #pragma unroll
-      for (int g = 0; g < LOWBIT_MAX_GQA; ++g)
-        if (g < G) s.scores[g * T + t] = keep ? acc[g] + s.bias[g] : -INFINITY;
+      for (int g = 0; g < GP; ++g) acc[g] = fmaf(pr[g], v, acc[g]);
     }
   }
 }
 
-// 3. online softmax: scores -> probabilities, running max/sum, this group's rescale
-__device__ void softmax_update(const Smem& s, int G, int T) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  for (int g = warp; g < G; g += nwarps) {
-    float* sc = s.scores + g * T;
-    float mx = -INFINITY;
-    for (int t = lane; t < T; t += 32) mx = fmaxf(mx, sc[t]);
-    mx = warp_max(mx);
-    const float m_old = s.m[g], m_new = fmaxf(m_old, mx);
-    const float m_safe = m_new == -INFINITY ? 0.f : m_new;
-    float sum = 0.f;
-    for (int t = lane; t < T; t += 32) {
-      const float p = exp2f(sc[t] - m_safe);
-      sc[t] = p;
-      sum += p;
-    }
-    sum = warp_sum(sum);
-    __syncwarp();
-    if (lane == 0) {
-      const float c = exp2f(m_old - m_safe);
-      s.corr[g] = c;
-      s.l[g] = s.l[g] * c + sum;
-      s.m[g] = m_new;
-    }
-  }
-}
-
-// 4. decoded value of token t, channel c
-__device__ __forceinline__ float value_at(const LowbitPageFormat& f, const Smem& s, int t, int c) {
-  const uint8_t* st = s.state;
-  const int D = f.D;
-  if (f.val_kind == LOWBIT_VAL_TERNARY) {
-    if (f.n_protect > 0 && s.prot[t]) {
-      const float v = code_at(st + f.v_pcodes, s.rank[t] * D + c, 2) * load_f16(st + f.v_pscale, c) +
-                      load_f16(st + f.v_pzero, c);
-      return fminf(fmaxf(v, -65504.f), 65504.f);
-    }
-    const int row = f.n_protect > 0 ? s.rank[t] : t;
-    return trit_at(st + f.v_trits, row * D + c) * load_f16(st + f.v_alpha, c);
-  }
-  const int sidx = f.val_kind == LOWBIT_VAL_KIVI_TOKEN ? t * (D / f.val_group) + c / f.val_group : c;
-  return code_at(st + f.v_codes, t * D + c, f.val_bits) * load_f16(st + f.v_scale, sidx) +
-         load_f16(st + f.v_zero, sidx);
-}
-
+template <int GP>
 __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
 #ifdef LOWBIT_HOST_EMULATION  // host_emulation.cpp: the CPU test harness
   unsigned char* smem_raw = emu::shared_memory();
 #else
   extern __shared__ __align__(16) unsigned char smem_raw[];
 #endif
+  constexpr int RS = row_stride(GP);
   const LowbitPageFormat& f = a.fmt;
   const int row = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
   const int tid = threadIdx.x, nthreads = blockDim.x;
+  const int lane = tid & 31, warp = tid >> 5, nwarps = nthreads >> 5;
   const int G = a.Hq / f.H, D = f.D, T = f.T, P = nthreads / D;
-  const Smem s = carve(smem_raw, a, nthreads);
+  const SmemPlan sp = smem_plan(a, nthreads);
+  float* s_q = reinterpret_cast<float*>(smem_raw + sp.q);          // [D][RS]
+  float* s_qperm = reinterpret_cast<float*>(smem_raw + sp.qperm);  // [D][RS]
+  float* s_coef = reinterpret_cast<float*>(smem_raw + sp.coef);    // [D][RS]
+  float* s_wbias = reinterpret_cast<float*>(smem_raw + sp.wbias);  // [warps][RS]
+  float* s_m = reinterpret_cast<float*>(smem_raw + sp.stats);      // [RS] each
+  float* s_l = s_m + RS;
+  float* s_corr = s_l + RS;
+  float* s_p = reinterpret_cast<float*>(smem_raw + sp.scores);  // [T][RS]
+  float* s_red = reinterpret_cast<float*>(smem_raw + sp.red);   // [P][D][RS]
+  float* s_w = reinterpret_cast<float*>(smem_raw + sp.fftw);    // [n1][n1]
+  int* s_rank = reinterpret_cast<int*>(smem_raw + sp.rank);     // [T]
+  int* s_prot = s_rank + T;                                     // [T]
+  uint8_t* s_trit = smem_raw + sp.trits;                        // [rows][D], trit + 1
 
   // the request owning this row: the last r with q_start[r] <= row
   int lo = 0, hi = a.num_requests;
@@ -277,76 +283,270 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
     if (a.q_start[mid] <= row) lo = mid; else hi = mid;
   }
   const int r = lo;
-
-  for (int i = tid; i < G * D; i += nthreads) {
-    const int g = i / D, c = i % D;
-    s.q[i] = a.query[row * a.q_stride_row + (h * G + g) * a.q_stride_head + c] * a.scale_log2;
-  }
-  if (tid < G) {
-    s.m[tid] = -INFINITY;
-    s.l[tid] = 0.f;
-  }
-  const int c_v = tid % D, slice = tid / D;  // value step: channel and token slice
-  float acc[LOWBIT_MAX_GQA];
-#pragma unroll
-  for (int g = 0; g < LOWBIT_MAX_GQA; ++g) acc[g] = 0.f;
-
   const int skip = a.skip_tokens[r];
   const int g_lo = imax(split * a.groups_per_split, skip / T);
   const int g_hi = imin((split + 1) * a.groups_per_split, a.num_groups[r]);
   const uint8_t* head_pages = a.pages + h * a.page_stride_head + f.sink_bytes;
-  __syncthreads();
-  for (int gi = g_lo; gi < g_hi; ++gi) {
+  const int n_words = f.state_bytes / 4;
+  auto issue = [&](int gi, int buf) {
     const int64_t gid = a.group_table[r * a.table_stride + gi];
     const uint32_t* src = reinterpret_cast<const uint32_t*>(
         head_pages + (gid / f.N) * a.page_stride_block + (gid % f.N) * f.state_bytes);
-    uint32_t* dst = reinterpret_cast<uint32_t*>(s.state);
-    for (int w = tid; w < f.state_bytes / 4; w += nthreads) dst[w] = __ldg(src + w);
-    __syncthreads();
-    if (f.val_kind == LOWBIT_VAL_TERNARY && f.n_protect > 0) {
-      for (int t = tid; t < T; t += nthreads) {
-        const int p = (s.state[f.v_tokmask + t / 8] >> (t % 8)) & 1;
-        const int before = bits_before(s.state + f.v_tokmask, t);
-        s.prot[t] = p;
-        s.rank[t] = p ? before : t - before;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(smem_raw + sp.state + buf * sp.state_stride);
+    for (int w = tid; w < n_words; w += nthreads) copy4_async(dst + w, src + w);
+  };
+  if (g_lo < g_hi) issue(g_lo, 0);
+  copy_commit();
+
+  // scaled query [D][RS] (heads >= G: zero), running stats, FFT map
+  for (int i = tid; i < D * RS; i += nthreads) {
+    const int c = i / RS, g = i % RS;
+    s_q[i] = g < G ? a.query[row * a.q_stride_row + (h * G + g) * a.q_stride_head + c] * a.scale_log2 : 0.f;
+  }
+  if (tid < RS) {
+    s_m[tid] = -INFINITY;
+    s_l[tid] = 0.f;
+  }
+  if (fft_keys(f))
+    for (int i = tid; i < f.n1 * f.n1; i += nthreads) s_w[i] = __ldg(a.fft_inverse_t + i);
+
+  const int c_v = tid % D, slice = tid / D;  // value step: channel and token slice
+  float acc[GP];
+#pragma unroll
+  for (int g = 0; g < GP; ++g) acc[g] = 0.f;
+  // score step: L lanes per token (a power of two, at most 4)
+  int L = 1;
+  while (L < 4 && 2 * L * T <= nthreads) L *= 2;
+  const int sub = tid % L, tok0 = tid / L, tok_step = nthreads / L;
+  const bool vidkv = f.key_kind == LOWBIT_KEY_VIDKV;
+  const bool stp = ternary_values(f) && f.n_protect > 0;
+
+  for (int gi = g_lo; gi < g_hi; ++gi) {
+    const int buf = (gi - g_lo) & 1;
+    if (gi + 1 < g_hi) issue(gi + 1, buf ^ 1);
+    copy_commit();
+    copy_wait_one();
+    __syncthreads();  // this group's state is in shared memory; stats / query visible
+    const uint8_t* st = smem_raw + sp.state + buf * sp.state_stride;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(st);
+
+    // A. VidKV: query into the state's channel order (2-bit channels, then 1-bit ones);
+    //    ternary values: trits -> int8 tile; STP: rows of the tokens
+    if (vidkv) {
+      for (int c = tid; c < D; c += nthreads) {
+        const int two = (st[f.k_cmask + c / 8] >> (c % 8)) & 1;
+        const int before = bits_before(st + f.k_cmask, c);
+        const int dest = two ? before : f.n2 + (c - before);
+        float q[GP];
+        load_row<GP>(s_q + c * RS, q);
+        store_row<GP>(s_qperm + dest * RS, q);
       }
     }
-    key_coefficients(a, s, G);
-    __syncthreads();
-    key_scores(a, s, G, gi * T, skip);
-    __syncthreads();
-    softmax_update(s, G, T);
-    __syncthreads();
+    if (ternary_values(f)) {
+      const int n_el = (T - f.n_protect) * D, n_bytes = (n_el + 4) / 5;
+      for (int k = tid; k < n_bytes; k += nthreads) {
+        uint32_t b = st[f.v_trits + k];
 #pragma unroll
-    for (int g = 0; g < LOWBIT_MAX_GQA; ++g)
-      if (g < G) acc[g] *= s.corr[g];
-    for (int t = slice; t < T; t += P) {
-      const float v = value_at(f, s, t, c_v);
-#pragma unroll
-      for (int g = 0; g < LOWBIT_MAX_GQA; ++g)
-        if (g < G) acc[g] += s.scores[g * T + t] * v;
+        for (int d = 0; d < 5; ++d) {
+          if (5 * k + d < n_el) s_trit[5 * k + d] = static_cast<uint8_t>(b % 3u);
+          b /= 3u;
+        }
+      }
+      if (stp) {
+        for (int t = tid; t < T; t += nthreads) {
+          const int p = (st[f.v_tokmask + t / 8] >> (t % 8)) & 1;
+          const int before = bits_before(st + f.v_tokmask, t);
+          s_prot[t] = p;
+          s_rank[t] = p ? before : t - before;
+        }
+      }
     }
-    __syncthreads();  // the next group's state overwrites shared memory
-  }
+    if (vidkv) __syncthreads();
 
+    // B. coefficients coef[i][g] of each key code and the bias (constant part) per head
+    {
+      float b[GP];
 #pragma unroll
-  for (int g = 0; g < LOWBIT_MAX_GQA; ++g)
-    if (g < G) s.red[(slice * G + g) * D + c_v] = acc[g];
+      for (int g = 0; g < GP; ++g) b[g] = 0.f;
+      if (!vidkv) {
+        for (int c = tid; c < D; c += nthreads) {
+          float q[GP];
+          load_row<GP>(s_q + c * RS, q);
+          const float sc = load_f16(st + f.k_scale, c), z = load_f16(st + f.k_zero, c);
+#pragma unroll
+          for (int g = 0; g < GP; ++g) {
+            s_coef[c * RS + g] = q[g] * sc;
+            b[g] = fmaf(q[g], z, b[g]);
+          }
+        }
+      } else {
+        for (int i = tid; i < f.n2 + f.n1; i += nthreads) {
+          float q[GP];
+          if (i < f.n2) {
+            load_row<GP>(s_qperm + i * RS, q);
+            const float sc = load_f16(st + f.k_scale2, i), z = load_f16(st + f.k_zero2, i);
+#pragma unroll
+            for (int g = 0; g < GP; ++g) {
+              s_coef[i * RS + g] = q[g] * sc;
+              b[g] = fmaf(q[g], z, b[g]);
+            }
+          } else {
+            const int j = i - f.n2;
+            if (f.fft) {  // qt_j = sum_i W[j][i] q_n[i]: the query in the component domain
+#pragma unroll
+              for (int g = 0; g < GP; ++g) q[g] = 0.f;
+              for (int k = 0; k < f.n1; ++k) {
+                const float w = s_w[k * f.n1 + j];
+                float x[GP];
+                load_row<GP>(s_qperm + (f.n2 + k) * RS, x);
+#pragma unroll
+                for (int g = 0; g < GP; ++g) q[g] = fmaf(w, x[g], q[g]);
+              }
+            } else {
+              load_row<GP>(s_qperm + i * RS, q);
+            }
+            const float hv = load_f16(st + f.k_hi, j);
+            const float lv = f.sign ? -hv : load_f16(st + f.k_lo, j);
+#pragma unroll
+            for (int g = 0; g < GP; ++g) {
+              s_coef[i * RS + g] = q[g] * (hv - lv);
+              b[g] = fmaf(q[g], lv, b[g]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < GP; ++g) b[g] = warp_sum(b[g]);
+      if (lane == 0) store_row<GP>(s_wbias + warp * RS, b);
+    }
+    __syncthreads();
+
+    // C. scores (log2 units) of the group's tokens, masked below skip_tokens
+    {
+      float bias[GP];
+#pragma unroll
+      for (int g = 0; g < GP; ++g) bias[g] = 0.f;
+      for (int w = 0; w < nwarps; ++w) {
+        float x[GP];
+        load_row<GP>(s_wbias + w * RS, x);
+#pragma unroll
+        for (int g = 0; g < GP; ++g) bias[g] += x[g];
+      }
+      const int key_base = f.key_kind == LOWBIT_KEY_VIDKV ? f.k_codes2 : f.k_codes;
+      for (int t0 = 0; t0 < T; t0 += tok_step) {  // uniform trip count (shuffles)
+        const int t = t0 + tok0;
+        float s[GP];
+#pragma unroll
+        for (int g = 0; g < GP; ++g) s[g] = 0.f;
+        if (t < T) {
+          if (vidkv) {
+            dot_codes<2, GP>(words, key_base * 8 + t * f.n2 * 2, f.n2, sub, L, s_coef, s);
+            dot_codes<1, GP>(words, f.k_codes1 * 8 + t * f.n1, f.n1, sub, L, s_coef + f.n2 * RS, s);
+          } else if (f.key_bits == 2) {
+            dot_codes<2, GP>(words, key_base * 8 + t * D * 2, D, sub, L, s_coef, s);
+          } else if (f.key_bits == 4) {
+            dot_codes<4, GP>(words, key_base * 8 + t * D * 4, D, sub, L, s_coef, s);
+          } else {
+            dot_codes<8, GP>(words, key_base * 8 + t * D * 8, D, sub, L, s_coef, s);
+          }
+        }
+#pragma unroll
+        for (int g = 0; g < GP; ++g) s[g] = warp_sum_lanes<GP>(s[g], L);
+        if (t < T && sub == 0) {
+          const bool keep = gi * T + t >= skip;
+#pragma unroll
+          for (int g = 0; g < GP; ++g) s_p[t * RS + g] = keep ? s[g] + bias[g] : -INFINITY;
+        }
+      }
+    }
+    __syncthreads();
+
+    // D. online softmax per head (a warp per head): scores -> probabilities
+    for (int g = warp; g < GP; g += nwarps) {
+      float mx = -INFINITY;
+      for (int t = lane; t < T; t += 32) mx = fmaxf(mx, s_p[t * RS + g]);
+      mx = warp_max(mx);
+      const float m_old = s_m[g], m_new = fmaxf(m_old, mx);
+      const float m_safe = m_new == -INFINITY ? 0.f : m_new;
+      float sum = 0.f;
+      for (int t = lane; t < T; t += 32) {
+        const float p = exp2f(s_p[t * RS + g] - m_safe);
+        s_p[t * RS + g] = p;
+        sum += p;
+      }
+      sum = warp_sum(sum);
+      __syncwarp();
+      if (lane == 0) {
+        const float c = exp2f(m_old - m_safe);
+        s_corr[g] = c;
+        s_l[g] = s_l[g] * c + sum;
+        s_m[g] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // E. values: thread (channel c_v, token slice) accumulates every head
+    {
+      float corr[GP];
+      load_row<GP>(s_corr, corr);
+#pragma unroll
+      for (int g = 0; g < GP; ++g) acc[g] *= corr[g];
+      if (ternary_values(f)) {
+        const float alpha = load_f16(st + f.v_alpha, c_v);
+        if (stp) {
+          const float ps = load_f16(st + f.v_pscale, c_v), pz = load_f16(st + f.v_pzero, c_v);
+          for (int t = slice; t < T; t += P) {
+            const int rk = s_rank[t];
+            float v;
+            if (s_prot[t]) {
+              const int e = rk * D + c_v;
+              v = fminf(fmaxf(fmaf(u2f((st[f.v_pcodes + e / 4] >> ((e % 4) * 2)) & 3u), ps, pz), -65504.f),
+                        65504.f);
+            } else {
+              v = (u2f(s_trit[rk * D + c_v]) - 1.f) * alpha;
+            }
+            float pr[GP];
+            load_row<GP>(s_p + t * RS, pr);
+#pragma unroll
+            for (int g = 0; g < GP; ++g) acc[g] = fmaf(pr[g], v, acc[g]);
+          }
+        } else {
+          for (int t = slice; t < T; t += P) {
+            const float v = (u2f(s_trit[t * D + c_v]) - 1.f) * alpha;
+            float pr[GP];
+            load_row<GP>(s_p + t * RS, pr);
+#pragma unroll
+            for (int g = 0; g < GP; ++g) acc[g] = fmaf(pr[g], v, acc[g]);
+          }
+        }
+      } else if (f.val_bits == 2) {
+        kivi_values<2, GP>(f, st, s_p, c_v, slice, P, acc);
+      } else if (f.val_bits == 4) {
+        kivi_values<4, GP>(f, st, s_p, c_v, slice, P, acc);
+      } else {
+        kivi_values<8, GP>(f, st, s_p, c_v, slice, P, acc);
+      }
+    }
+    __syncthreads();  // the next iteration's copy overwrites this group's buffer
+  }
+  copy_wait_all();
+
+  store_row<GP>(s_red + (slice * D + c_v) * RS, acc);
   __syncthreads();
   const int64_t n_heads = static_cast<int64_t>(a.num_rows) * a.Hq;
   const bool split_out = a.num_splits > 1;
   for (int i = tid; i < G * D; i += nthreads) {
     const int g = i / D, c = i % D;
     float sum = 0.f;
-    for (int p = 0; p < P; ++p) sum += s.red[(p * G + g) * D + c];
-    const float l = s.l[g];
+    for (int p = 0; p < P; ++p) sum += s_red[(p * D + c) * RS + g];
+    const float l = s_l[g];
     const int64_t head = static_cast<int64_t>(row) * a.Hq + h * G + g;
     float* out = split_out ? a.part_out + (split * n_heads + head) * D : a.out + head * D;
     out[c] = l > 0.f ? sum / l : 0.f;
   }
   if (tid < G) {
-    const float l = s.l[tid];
-    const float lse = l > 0.f ? (s.m[tid] + log2f(l)) * kLn2 : -INFINITY;
+    const float l = s_l[tid];
+    const float lse = l > 0.f ? (s_m[tid] + log2f(l)) * kLn2 : -INFINITY;
     const int64_t head = static_cast<int64_t>(row) * a.Hq + h * G + tid;
     if (split_out) a.part_lse[split * n_heads + head] = lse;
     else a.lse[head] = lse;
@@ -385,7 +585,11 @@ extern "C" const char* lowbit_packed_attention_check(const LowbitAttentionArgs* 
   if (args->Hq / f.H > LOWBIT_MAX_GQA) return "at most 16 query heads per KV head";
   if (f.state_bytes % 4 != 0) return "state_bytes must be a multiple of 4";
   if (f.key_kind != LOWBIT_KEY_KIVI_CHANNEL && f.key_kind != LOWBIT_KEY_VIDKV) return "unknown key kind";
+  if (f.key_kind == LOWBIT_KEY_KIVI_CHANNEL && f.key_bits != 2 && f.key_bits != 4 && f.key_bits != 8)
+    return "KIVI keys of 2, 4 or 8 bits";
   if (f.val_kind < LOWBIT_VAL_KIVI_TOKEN || f.val_kind > LOWBIT_VAL_TERNARY) return "unknown value kind";
+  if (f.val_kind != LOWBIT_VAL_TERNARY && f.val_bits != 2 && f.val_bits != 4 && f.val_bits != 8)
+    return "KIVI values of 2, 4 or 8 bits";
   if (f.key_kind == LOWBIT_KEY_VIDKV && f.fft && args->fft_inverse_t == nullptr)
     return "VidKV FFT keys need the inverse map";
   if (args->num_splits < 1 || args->groups_per_split < 1) return "num_splits and groups_per_split must be >= 1";
@@ -393,21 +597,31 @@ extern "C" const char* lowbit_packed_attention_check(const LowbitAttentionArgs* 
     return "split outputs need part_out and part_lse";
   const int threads = threads_for(f.D);
   // 160 KiB: within the opt-in shared memory of sm_80 (163 KiB) and sm_90 (227 KiB)
-  if (smem_bytes(*args, threads) > 160 * 1024) return "shared memory need above 160 KiB";
+  if (smem_plan(*args, threads).total > 160 * 1024) return "shared memory need above 160 KiB";
   return nullptr;
 }
 
-// grid, block size and dynamic shared memory of one call (the CUDA launcher and the test
-// harness use the same)
+// grid, block size, dynamic shared memory and kernel of one call (the CUDA launcher and
+// the test harness use the same)
 struct LaunchPlan {
   dim3 grid;
   int threads;
   int smem;
+  void (*kernel)(const LowbitAttentionArgs);
 };
 
 static LaunchPlan launch_plan(const LowbitAttentionArgs& a) {
   const int threads = threads_for(a.fmt.D);
-  return {dim3(a.num_rows, a.fmt.H, a.num_splits), threads, smem_bytes(a, threads)};
+  void (*kernel)(const LowbitAttentionArgs) = nullptr;
+  switch (heads_computed(a.Hq / a.fmt.H)) {
+    case 1: kernel = packed_attention_kernel<1>; break;
+    case 2: kernel = packed_attention_kernel<2>; break;
+    case 3: kernel = packed_attention_kernel<3>; break;
+    case 4: kernel = packed_attention_kernel<4>; break;
+    case 8: kernel = packed_attention_kernel<8>; break;
+    default: kernel = packed_attention_kernel<16>; break;
+  }
+  return {dim3(a.num_rows, a.fmt.H, a.num_splits), threads, smem_plan(a, threads).total, kernel};
 }
 
 #ifndef LOWBIT_HOST_EMULATION
@@ -416,11 +630,10 @@ extern "C" cudaError_t lowbit_packed_attention(const LowbitAttentionArgs* args, 
   if (args->num_rows == 0) return cudaSuccess;
   const LaunchPlan plan = launch_plan(*args);
   if (plan.smem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute(packed_attention_kernel,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem);
+    const cudaError_t e = cudaFuncSetAttribute(plan.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem);
     if (e != cudaSuccess) return e;
   }
-  packed_attention_kernel<<<plan.grid, plan.threads, plan.smem, stream>>>(*args);
+  plan.kernel<<<plan.grid, plan.threads, plan.smem, stream>>>(*args);
   if (args->num_splits > 1) {
     combine_splits_kernel<<<static_cast<unsigned>(args->num_rows * args->Hq), args->fmt.D, 0, stream>>>(*args);
   }
