@@ -50,8 +50,20 @@ def _nvcc() -> str | None:
     return str(home / "bin" / "nvcc") if home else None
 
 
+#: variants of registered schemes that reach the kernel's other code paths
+VARIANTS = {
+    # VidKV rows not byte-aligned (19 2-bit + 45 1-bit channels), no FFT, sign levels
+    "vidkv_k03_sign": ("vidkv", dict(k=0.3, one_bit="sign")),
+    # FFT over 16 components (k = 0.75)
+    "vidkv_k075": ("vidkv_k15v2", dict(k=0.75)),
+    # 8-bit KIVI, per-token value scales of 16 channels
+    "kivi8_g16": ("kivi2", dict(bits=8, group_size=16)),
+}
+
+
 def _layout(scheme, T=64, H=2, block_size=64):
-    kc, vc = get_scheme(scheme).codecs(64, T)
+    base, params = VARIANTS.get(scheme, (scheme, {}))
+    kc, vc = get_scheme(base).with_params(**params).codecs(64, T)
     return PagedLayout(kc, vc, H, block_size)
 
 
@@ -224,13 +236,21 @@ def emulated(tmp_path_factory):
 CASES = [  # scheme, T, H, Hq, splits
     ("vidkv", 16, 2, 6, 1), ("vidkv_stp", 32, 1, 4, 3), ("kivi2", 16, 3, 9, 2),
     ("vidkv_k2v2", 32, 2, 2, None), ("kivi4", 16, 1, 16, 2), ("vidkv_k15v2", 16, 2, 6, 2)]
+#: the kernel's other paths: each head-count instantiation (1, 2, 3, 4, 8 for 5-8, 16 for
+#: 9-16), 1, 2 or 4 lanes per token, two tokens per thread (T = 256), T not a power of two,
+#: bit-unaligned code rows, 8-bit codes, per-token value scales of part of a head
+PATH_CASES = [
+    ("vidkv", 128, 1, 3, None), ("vidkv_k03_sign", 48, 1, 5, 3), ("vidkv_stp", 256, 1, 1, 2),
+    ("kivi2", 64, 2, 4, None), ("kivi8_g16", 16, 1, 12, 4), ("vidkv_k075", 32, 2, 16, 3),
+    ("vidkv_k2v2", 64, 1, 4, 2)]
 
 
-def _run_case(scheme, T, H, Hq, splits, call, device):
-    # long context with a skipped prefix and 2 rows; empty context; context entirely
-    # skipped; a longer one; a partly skipped group; a request with no rows
-    n_groups, q_rows = [5, 0, 1, 9, 3, 2], [2, 1, 1, 1, 3, 0]
-    skip = [3, 0, T, 4, 2 * T + 5, 0]
+def _run_case(scheme, T, H, Hq, splits, call, device, n_groups=None, q_rows=None, skip=None):
+    # default: long context with a skipped prefix and 2 rows; empty context; context
+    # entirely skipped; a longer one; a partly skipped group; a request with no rows
+    if n_groups is None:
+        n_groups, q_rows = [5, 0, 1, 9, 3, 2], [2, 1, 1, 1, 3, 0]
+        skip = [3, 0, T, 4, 2 * T + 5, 0]
     layout, pages, table, ng, q_start, query, skip = _case(scheme, T, H, Hq, n_groups, q_rows,
                                                            skip, T + Hq)
     ref_out, ref_lse = packed_attention_reference(query, q_start, pages, layout, table, ng, skip,
@@ -244,13 +264,21 @@ def _run_case(scheme, T, H, Hq, splits, call, device):
     torch.testing.assert_close(lse.cpu(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("scheme,T,H,Hq,splits", CASES)
+@pytest.mark.parametrize("scheme,T,H,Hq,splits", CASES + PATH_CASES)
 def test_kernel_code_on_the_host_matches_reference(emulated, scheme, T, H, Hq, splits):
     _run_case(scheme, T, H, Hq, splits, emulated, "cpu")
 
 
+@pytest.mark.parametrize("scheme,Hq", [("vidkv", 3), ("kivi2", 8)])
+def test_kernel_code_on_the_host_long_context_many_splits(emulated, scheme, Hq):
+    """37 and 23 groups over 9 splits (several groups per split, the double buffer's
+    prefetch across them), a skipped prefix, 1 and 2 rows."""
+    _run_case(scheme, 16, 1, Hq, 9, emulated, "cpu", n_groups=[37, 23], q_rows=[1, 2],
+              skip=[40, 0])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme,T,H,Hq,splits", CASES + [("vidkv", 64, 8, 32, None)])
+@pytest.mark.parametrize("scheme,T,H,Hq,splits", CASES + PATH_CASES + [("vidkv", 64, 8, 32, None)])
 def test_cuda_kernel_matches_reference(scheme, T, H, Hq, splits):
     def call(query, q_start, pages, layout, table, ng, skip, scale, num_splits, out, lse):
         cuda_ops.packed_attention(query, q_start, pages, layout, table, ng, skip, scale,
