@@ -50,6 +50,9 @@ __device__ __forceinline__ float load_f16(const uint8_t* p, int idx) {
 // small unsigned integer (< 2^23) as float without a conversion instruction
 __device__ __forceinline__ float u2f(uint32_t u) { return __uint_as_float(0x4B000000u | u) - kMagic; }
 
+// a stored trit + 1 (0, 1, 2) as the float trit (-1, 0, 1)
+__device__ __forceinline__ float trit_f(uint32_t u) { return __uint_as_float(0x4B000000u | u) - (kMagic + 1.f); }
+
 // 32 bits of the state starting at bit `pos` (state 4-byte aligned, padded by 4 bytes)
 __device__ __forceinline__ uint32_t bits32(const uint32_t* words, int pos) {
   const uint32_t lo = words[pos >> 5], hi = words[(pos >> 5) + 1];
@@ -173,7 +176,7 @@ __host__ __device__ inline SmemPlan smem_plan(const LowbitAttentionArgs& a, int 
   s.red = at; at += align16(P * D * RS * 4);
   s.fftw = at; at += fft_keys(f) ? align16(f.n1 * f.n1 * 4) : 0;
   s.rank = at; at += align16(2 * T * 4);  // rank, prot (STP values)
-  s.trits = at; at += ternary_values(f) ? align16(T * D) : 0;
+  s.trits = at; at += ternary_values(f) ? align16(T * D + 5) : 0;
   s.state_stride = align16(f.state_bytes + 8);  // + padding for 32-bit bit-window reads
   s.state = at; at += 2 * s.state_stride;
   s.total = at;
@@ -343,13 +346,14 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
       }
     }
     if (ternary_values(f)) {
-      const int n_el = (T - f.n_protect) * D, n_bytes = (n_el + 4) / 5;
+      const int n_bytes = ((T - f.n_protect) * D + 4) / 5;  // the tile has room for 5 per byte
       for (int k = tid; k < n_bytes; k += nthreads) {
         uint32_t b = st[f.v_trits + k];
 #pragma unroll
         for (int d = 0; d < 5; ++d) {
-          if (5 * k + d < n_el) s_trit[5 * k + d] = static_cast<uint8_t>(b % 3u);
-          b /= 3u;
+          const uint32_t q = (b * 171u) >> 9;  // b / 3 for b < 256
+          s_trit[5 * k + d] = static_cast<uint8_t>(b - 3u * q);
+          b = q;
         }
       }
       if (stp) {
@@ -493,32 +497,39 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
       for (int g = 0; g < GP; ++g) acc[g] *= corr[g];
       if (ternary_values(f)) {
         const float alpha = load_f16(st + f.v_alpha, c_v);
+        float tacc[GP];  // sum of p * trit; the channel's magnitude applies once per group
+#pragma unroll
+        for (int g = 0; g < GP; ++g) tacc[g] = 0.f;
         if (stp) {
           const float ps = load_f16(st + f.v_pscale, c_v), pz = load_f16(st + f.v_pzero, c_v);
           for (int t = slice; t < T; t += P) {
             const int rk = s_rank[t];
-            float v;
+            float pr[GP];
+            load_row<GP>(s_p + t * RS, pr);
             if (s_prot[t]) {
               const int e = rk * D + c_v;
-              v = fminf(fmaxf(fmaf(u2f((st[f.v_pcodes + e / 4] >> ((e % 4) * 2)) & 3u), ps, pz), -65504.f),
-                        65504.f);
-            } else {
-              v = (u2f(s_trit[rk * D + c_v]) - 1.f) * alpha;
-            }
-            float pr[GP];
-            load_row<GP>(s_p + t * RS, pr);
+              const float v = fminf(
+                  fmaxf(fmaf(u2f((st[f.v_pcodes + e / 4] >> ((e % 4) * 2)) & 3u), ps, pz), -65504.f), 65504.f);
 #pragma unroll
-            for (int g = 0; g < GP; ++g) acc[g] = fmaf(pr[g], v, acc[g]);
+              for (int g = 0; g < GP; ++g) acc[g] = fmaf(pr[g], v, acc[g]);
+            } else {
+              const float x = trit_f(s_trit[rk * D + c_v]);
+#pragma unroll
+              for (int g = 0; g < GP; ++g) tacc[g] = fmaf(pr[g], x, tacc[g]);
+            }
           }
         } else {
+#pragma unroll 4
           for (int t = slice; t < T; t += P) {
-            const float v = (u2f(s_trit[t * D + c_v]) - 1.f) * alpha;
+            const float x = trit_f(s_trit[t * D + c_v]);
             float pr[GP];
             load_row<GP>(s_p + t * RS, pr);
 #pragma unroll
-            for (int g = 0; g < GP; ++g) acc[g] = fmaf(pr[g], v, acc[g]);
+            for (int g = 0; g < GP; ++g) tacc[g] = fmaf(pr[g], x, tacc[g]);
           }
         }
+#pragma unroll
+        for (int g = 0; g < GP; ++g) acc[g] = fmaf(alpha, tacc[g], acc[g]);  // alpha once per group
       } else if (f.val_bits == 2) {
         kivi_values<2, GP>(f, st, s_p, c_v, slice, P, acc);
       } else if (f.val_bits == 4) {
