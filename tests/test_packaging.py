@@ -16,6 +16,8 @@ KERNEL_SOURCES = ["vllm_lowbit_kv/csrc/cpu/packed_attention.cpp",
                   "vllm_lowbit_kv/csrc/cpu/dense_attention.cpp",
                   "vllm_lowbit_kv/csrc/cpu/vectors.h",
                   "vllm_lowbit_kv/csrc/cpu/micro_gemm.h",
+                  "vllm_lowbit_kv/csrc/cpu/encode_states.cpp",
+                  "vllm_lowbit_kv/csrc/cpu/descriptors.h",
                   "vllm_lowbit_kv/csrc/cuda/bindings.cpp",
                   "vllm_lowbit_kv/csrc/cuda/packed_attention.cu",
                   "vllm_lowbit_kv/csrc/cuda/packed_attention.cuh"]

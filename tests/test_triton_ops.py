@@ -35,11 +35,12 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from vllm_lowbit_kv.ops import triton as triton_ops  # noqa: E402
 from vllm_lowbit_kv.ops.triton.attention_kernel import _row_tiles  # noqa: E402
-from vllm_lowbit_kv.codecs.vidkv import rfft_unique  # noqa: E402
 from vllm_lowbit_kv.ops import packed_attention_reference, reference  # noqa: E402
 from vllm_lowbit_kv.ops.page_format import gpu_format_reason, page_format  # noqa: E402
 from vllm_lowbit_kv.paged import PagedLayout  # noqa: E402
 from vllm_lowbit_kv.schemes import get_scheme  # noqa: E402
+
+from _state_agreement import assert_states_agree, fields  # noqa: E402
 
 if not ON_GPU and not isinstance(triton.language.sum, InterpretedFunction):
     raise RuntimeError(
@@ -79,73 +80,6 @@ def _kv(E, T, H, dtype, seed):
 
 # -- quantize and store ---------------------------------------------------------------------
 
-EXACT_FIELDS = {"codes", "scale", "zero", "chan_mask", "scale2", "zero2", "codes2",
-                "tok_mask", "prot_codes", "prot_scale", "prot_zero"}
-
-
-def _fields(codec, states):
-    return codec.layout().split(states.reshape(-1, states.shape[-1])[:, :codec.nbytes].cpu())
-
-
-def _tie_margin_ok(name, codec, x, mismatch, rel=None):
-    """Every differing code lies within float32 rounding of its threshold: the reference's
-    decision value recomputed in float64 (x: the group's float input [G, T, D])."""
-    G, T, D = x.shape
-    x = x.double()
-    if name == "trits":
-        n_p = codec.n_protect
-        if n_p:  # the unprotected tokens, in order (the reference's token permutation)
-            order = torch.sort(rel.double(), dim=-1, descending=True, stable=True).indices
-            keep = torch.zeros(G, T, dtype=torch.bool).scatter(1, order[:, :n_p], True)
-            x = torch.stack([x[g][~keep[g]] for g in range(G)])
-        a = x.abs()
-        margin = a - codec.gamma * a.mean(1, keepdim=True)  # trit != 0 iff margin > 0
-        scale = a.amax(1, keepdim=True)
-    else:  # codes1: the 1-bit components, mean split
-        rng = x.amax(1) - x.amin(1)
-        two = torch.zeros(G, D, dtype=torch.bool).scatter(
-            1, torch.sort(rng, 1, descending=True, stable=True).indices[:, :codec.n2], True)
-        y = torch.stack([x[g][:, ~two[g]] for g in range(G)])
-        if codec.fft_active:
-            y = rfft_unique(y)
-        margin = y - y.mean(1, keepdim=True)
-        scale = y.abs().amax(1, keepdim=True)
-    where = mismatch.reshape(margin.shape)
-    return bool((margin.abs() <= 1e-5 * scale)[where].all())
-
-
-def _assert_states_agree(layout, ref, got, k, v, rel):
-    """Field-by-field comparison of reference and kernel states [E, H, C] (module doc)."""
-    kb = layout.format.k_bytes
-    for codec, lo, hi, x in ((layout.key_codec, 0, kb, k), (layout.value_codec, kb, None, v)):
-        a, b = _fields(codec, ref[..., lo:hi]), _fields(codec, got[..., lo:hi])
-        xg = x.float().permute(0, 2, 1, 3).reshape(-1, layout.T, layout.D)  # [E*H, T, D]
-        rg = None if rel is None else rel.permute(0, 2, 1).reshape(-1, layout.T)
-        for name in a:
-            if name in EXACT_FIELDS:
-                assert torch.equal(a[name], b[name]), f"{type(codec).__name__}.{name} differs"
-            elif name in ("codes1", "trits"):
-                if name == "codes1":
-                    ca = ((a[name].unsqueeze(-1) >> torch.arange(8)) & 1).flatten(1)
-                    cb = ((b[name].unsqueeze(-1) >> torch.arange(8)) & 1).flatten(1)
-                    n = layout.T * codec.n1
-                else:
-                    p3 = 3 ** torch.arange(5)
-                    ca = ((a[name].long().unsqueeze(-1) // p3) % 3).flatten(1)
-                    cb = ((b[name].long().unsqueeze(-1) // p3) % 3).flatten(1)
-                    n = codec.n_low * layout.D
-                mismatch = ca[:, :n] != cb[:, :n]
-                assert mismatch.float().mean() < 1e-3, f"{name}: {int(mismatch.sum())} codes differ"
-                if mismatch.any():
-                    assert _tie_margin_ok(name, codec, xg, mismatch, rg), f"{name}: not at ties"
-            else:  # fp16 levels: lo1/hi1/s1/alpha
-                fa = a[name].contiguous().view(torch.float16).float()
-                fb = b[name].contiguous().view(torch.float16).float()
-                step = torch.maximum(fa.abs(), fb.abs()) * 2.0 ** -10 + 2.0 ** -24
-                assert bool(((fa - fb).abs() <= step).all()), f"{name}: more than one fp16 step"
-                assert (fa != fb).float().mean() < 0.02, f"{name}: too many differ"
-
-
 @on_device
 @pytest.mark.parametrize("scheme,T,block_size,dtype", [
     ("kivi2", 16, 32, torch.bfloat16), ("kivi2", 64, 64, torch.float32),
@@ -167,7 +101,7 @@ def test_quantize_and_store_matches_reference_codec(scheme, T, block_size, dtype
     triton_ops.store(k.to(DEVICE), v.to(DEVICE), gids.to(DEVICE), pages, layout,
                                   rel.to(DEVICE))
     pages = pages.cpu()
-    _assert_states_agree(layout, layout.read_states(ref, gids), layout.read_states(pages, gids),
+    assert_states_agree(layout, layout.read_states(ref, gids), layout.read_states(pages, gids),
                          k, v, rel if layout.value_codec.uses_relevance else None)
     untouched = ref.clone()
     layout.write_states(untouched, gids, layout.read_states(pages, gids))
@@ -210,11 +144,11 @@ def test_quantize_and_store_many_groups_near_ties_only():
     want = layout.read_states(ref, gids)
     # the norm fallback may pick another token at a norm tie: compare masks first
     kb = layout.format.k_bytes
-    vm = _fields(layout.value_codec, want[..., kb:])["tok_mask"]
-    gm = _fields(layout.value_codec, got[..., kb:])["tok_mask"]
+    vm = fields(layout.value_codec, want[..., kb:])["tok_mask"]
+    gm = fields(layout.value_codec, got[..., kb:])["tok_mask"]
     assert torch.equal(vm, gm)
     rel = v.float().norm(dim=-1)
-    _assert_states_agree(layout, want, got, k, v, rel)
+    assert_states_agree(layout, want, got, k, v, rel)
 
 
 def test_quantize_and_store_refuses_nonfinite_and_bad_shapes():

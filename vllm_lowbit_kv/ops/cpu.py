@@ -28,7 +28,8 @@ in registers everywhere; without VBMI (``LOWBIT_KV_CPU_MARCH=skylake-avx512``) o
 AVX-512 (``x86-64-v3``), as two tests build it, the portable paths run. One known
 difference from the reference codecs: they clamp decoded VidKV/ternary elements to
 +-65504, the kernel (which never rebuilds keys) does not; it only matters for K/V
-magnitudes near the fp16 limit. No store kernel: :data:`store` encodes with the codecs.
+magnitudes near the fp16 limit. :func:`store` encodes with ``csrc/cpu/encode_states.cpp``
+(:func:`encode_states`) where it can, else with the codecs.
 
 Work items with many query vectors (a prefill chunk) decode each group once into tiles
 and multiply them (``csrc/cpu/micro_gemm.h``: float32, or bf16 pairs for bf16 queries where
@@ -53,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from ..codecs.base import require_fp16_range
 from ..paths import extension_build_root
 from . import reference
 from .page_format import (KEY_KIVI_CHANNEL, KEY_RVQ, KEY_VIDKV, VAL_KIVI_CHANNEL,
@@ -64,9 +66,12 @@ logger = logging.getLogger("vllm.lowbit_kv.ops")
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "packed_attention.cpp"
 #: dense attention for prefill chunks' exact part (:func:`dense_attention`)
 DENSE_SOURCE = SOURCE.with_name("dense_attention.cpp")
-SOURCES = (SOURCE, DENSE_SOURCE)
+#: the codecs' encoders for the serving path's writes (:func:`encode_states`)
+ENCODE_SOURCE = SOURCE.with_name("encode_states.cpp")
+SOURCES = (SOURCE, DENSE_SOURCE, ENCODE_SOURCE)
 #: what the sources include (part of the build folder's hash, as the sources are)
-HEADERS = (SOURCE.with_name("vectors.h"), SOURCE.with_name("micro_gemm.h"))
+HEADERS = (SOURCE.with_name("vectors.h"), SOURCE.with_name("micro_gemm.h"),
+           SOURCE.with_name("descriptors.h"))
 #: target ISA: the build machine's own unless LOWBIT_KV_CPU_MARCH names another (the
 #: tests build AVX2-only and AVX-512-without-VBMI variants this way to run the other paths)
 MARCH = os.environ.get("LOWBIT_KV_CPU_MARCH", "native")
@@ -261,6 +266,52 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out, lse
 
 
+def encode_reason(fmt: PageFormat) -> str | None:
+    """None when :func:`encode_states` writes ``fmt``'s group states, else why not."""
+    if fmt.key_kind not in (KEY_KIVI_CHANNEL, KEY_VIDKV) or fmt.key_protect:
+        return f"keys {type(fmt.key_codec).__name__} (the encoder: KIVI per channel, VidKV " \
+               "without STP)"
+    if fmt.val_kind not in (VAL_KIVI_TOKEN, VAL_KIVI_CHANNEL, VAL_TERNARY) or fmt.n_protect:
+        return f"values {type(fmt.value_codec).__name__} (the encoder: KIVI, ternary " \
+               "without STP)"
+    return None
+
+
+def encode_states(fmt: PageFormat, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """K, V [E, T, H, D] (codec space) -> states [E, H, state_bytes], what
+    ``fmt.encode(k, v)`` returns, by ``csrc/cpu/encode_states.cpp``: the codecs' arithmetic
+    in one pass per group (bit-identical except codes within float32 rounding of a
+    threshold and fp16 levels within one step, where the codecs' sums over tokens or their
+    FFT round otherwise). None where it does not run: another device, a format it does not
+    write (:func:`encode_reason`: STP needs the relevance, RVQ its search), or the library
+    not loaded (this never builds it)."""
+    if not _built or k.device.type != "cpu" or encode_reason(fmt):
+        return None
+    k = k.float().contiguous()
+    v = v.float().contiguous()
+    desc = _descriptor_cache.get(fmt)
+    if desc is None:
+        desc = _descriptor_cache[fmt] = _descriptors(fmt)
+    fft = fft_matrix("forward", fmt.n1, fmt.n1, "cpu") if fmt.fft else torch.empty(0)
+    gamma = getattr(fmt.value_codec, "gamma", 0.0)
+    states = torch.empty(k.shape[0], fmt.H, fmt.state_bytes, dtype=torch.uint8)
+    if not torch.ops.lowbit_kv.encode_states(k, v, desc.geometry, desc.key, desc.value,
+                                             fmt.one_bit, gamma, fft, states):
+        require_fp16_range(k)  # an element the fp16 metadata cannot hold: the codecs' error
+        require_fp16_range(v)
+    return states
+
+
+def store(k: torch.Tensor, v: torch.Tensor, gids: torch.Tensor, pages: torch.Tensor,
+          page: PageFormat | PageGeometry, relevance: torch.Tensor | None = None) -> None:
+    """The contract's store: :func:`encode_states` where it runs, else the codecs
+    (:func:`vllm_lowbit_kv.ops.reference.store`)."""
+    fmt = page_format(page)
+    states = encode_states(fmt, k, v)
+    if states is None:
+        reference.store(k, v, gids, pages, page, relevance)
+    else:
+        fmt.write_states(pages, gids, states)
+
+
 attention = packed_attention
-#: no store kernel: the codecs encode (on the CPU)
-store = reference.store

@@ -9,6 +9,7 @@ import torch
 
 from ..codecs.base import BlockCodec, require
 from ..codecs.vidkv import require_protect_first
+from ..ops.cpu import encode_states
 from ..ops.page_format import PageFormat
 from ..rotation import HadamardRotation
 
@@ -126,13 +127,15 @@ class PagedLayout(PageBits):
         return (num_blocks, self.H, self.head_bytes)
 
     # -- codec ----------------------------------------------------------------
-    def encode(self, k: torch.Tensor, v: torch.Tensor, relevance: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def encode(self, k: torch.Tensor, v: torch.Tensor, relevance: torch.Tensor | None = None,
+               cpp: bool = False) -> torch.Tensor:
         """K, V [G, T, H, D] (+ relevance [G, T, H]) -> uint8 states [G, H, C] (rotated
-        first when the layout has a rotation)."""
+        first when the layout has a rotation). ``cpp``: by the C++ encoder
+        (:func:`vllm_lowbit_kv.ops.cpu.encode_states`) where it runs, else the codecs."""
         if self.rotation is not None:
             k, v = self.rotation.rotate(k), self.rotation.rotate(v)
-        return self.format.encode(k, v, relevance)
+        states = encode_states(self.format, k, v) if cpp else None
+        return self.format.encode(k, v, relevance) if states is None else states
 
     def decode(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 states [G, H, C] -> K, V [G, T, H, D] float32 in the model's space."""

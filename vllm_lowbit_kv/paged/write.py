@@ -52,7 +52,10 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
     Runs before :func:`stage_tokens` of the same step: completed groups read their
     earlier tokens from staging slots that this very step may hand to a new group.
     Groups with sink rows are encoded on the CPU whatever the device (see below), the
-    others on the tensors' device.
+    others on the tensors' device. A model in bf16 / fp16 (serving) encodes on the CPU
+    with the C++ encoder where it runs; float32, the engines' parity mode, keeps the
+    codecs, the transformers cache's own arithmetic (the C++ encoder may put a code on the
+    other side of its threshold, within float32 rounding, which moves the next layers).
     """
     E = plan.enc_gids.numel()
     if rows is None:
@@ -60,6 +63,7 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
     if E == 0 or (rows is not None and rows.numel() == 0):
         return
     T, H, D = layout.T, layout.H, layout.D
+    cpp = key.dtype != torch.float32
     tk = torch.zeros(E, T, H, D, dtype=torch.float32, device=key.device)
     tv = torch.zeros_like(tk)
     has = plan.enc_src_slot >= 0
@@ -79,7 +83,7 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
         sinks, gids = sinks[rows.to(sinks.device)], gids[rows.to(gids.device)]
     with_sinks = torch.nonzero(sinks > 0).flatten().cpu()  # plans stay on the CPU
     if with_sinks.numel() == 0:
-        layout.write_states(pages, gids, layout.encode(tk, tv, relevance))
+        layout.write_states(pages, gids, layout.encode(tk, tv, relevance, cpp))
         return
     # Groups with sink rows are encoded on the CPU, whatever the device: their sink rows
     # sit at the mean of the other rows, exactly on the threshold of the 1-bit "mean"
@@ -93,10 +97,10 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
     host = lambda x: None if x is None else x[with_sinks.to(x.device)].cpu()  # noqa: E731
     sk, sv, srel = _mask_sinks(host(tk), host(tv), host(relevance),
                                sinks[with_sinks.to(sinks.device)].tolist())
-    states = layout.encode(sk, sv, srel).to(pages.device)
+    states = layout.encode(sk, sv, srel, cpp).to(pages.device)
     if rest.numel():
         pick = lambda x: None if x is None else x[rest.to(x.device)]  # noqa: E731
-        states = torch.cat([states, layout.encode(pick(tk), pick(tv), pick(relevance))])
+        states = torch.cat([states, layout.encode(pick(tk), pick(tv), pick(relevance), cpp)])
         order = torch.cat([with_sinks, rest])
         gids = gids[order.to(gids.device)]
     else:

@@ -1,0 +1,80 @@
+"""Group states written by a kernel against the codecs' (the reference store): the Triton
+store kernel (tests/test_triton_ops.py) and the C++ encoder (tests/test_cpu_encoder.py).
+
+Fields the codecs compute without a sum over tokens (min-max codes, scales and zeros, the
+channel and token masks) must be bit-identical; the fields whose thresholds are float32
+means (VidKV 1-bit components, ternary values) must have identical codes except at
+elements within float32 rounding of their threshold, and their fp16 levels within one step.
+"""
+
+import torch
+
+from vllm_lowbit_kv.codecs.vidkv import rfft_unique
+
+EXACT_FIELDS = {"codes", "scale", "zero", "chan_mask", "scale2", "zero2", "codes2",
+                "tok_mask", "prot_codes", "prot_scale", "prot_zero"}
+
+
+def fields(codec, states):
+    return codec.layout().split(states.reshape(-1, states.shape[-1])[:, :codec.nbytes].cpu())
+
+
+def tie_margin_ok(name, codec, x, mismatch, rel=None):
+    """Every differing code lies within float32 rounding of its threshold: the reference's
+    decision value recomputed in float64 (x: the group's float input [G, T, D])."""
+    G, T, D = x.shape
+    x = x.double()
+    if name == "trits":
+        n_p = codec.n_protect
+        if n_p:  # the unprotected tokens, in order (the reference's token permutation)
+            order = torch.sort(rel.double(), dim=-1, descending=True, stable=True).indices
+            keep = torch.zeros(G, T, dtype=torch.bool).scatter(1, order[:, :n_p], True)
+            x = torch.stack([x[g][~keep[g]] for g in range(G)])
+        a = x.abs()
+        margin = a - codec.gamma * a.mean(1, keepdim=True)  # trit != 0 iff margin > 0
+        scale = a.amax(1, keepdim=True)
+    else:  # codes1: the 1-bit components, mean split
+        rng = x.amax(1) - x.amin(1)
+        two = torch.zeros(G, D, dtype=torch.bool).scatter(
+            1, torch.sort(rng, dim=1, descending=True, stable=True).indices[:, :codec.n2], True)
+        y = torch.stack([x[g][:, ~two[g]] for g in range(G)])
+        if codec.fft_active:
+            y = rfft_unique(y)
+        margin = y - y.mean(1, keepdim=True)
+        scale = y.abs().amax(1, keepdim=True)
+    where = mismatch.reshape(margin.shape)
+    return bool((margin.abs() <= 1e-5 * scale)[where].all())
+
+
+def assert_states_agree(layout, ref, got, k, v, rel):
+    """Field-by-field comparison of reference and kernel states [E, H, C] (module doc)."""
+    kb = layout.format.k_bytes
+    for codec, lo, hi, x in ((layout.key_codec, 0, kb, k), (layout.value_codec, kb, None, v)):
+        a, b = fields(codec, ref[..., lo:hi]), fields(codec, got[..., lo:hi])
+        xg = x.float().permute(0, 2, 1, 3).reshape(-1, layout.T, layout.D)  # [E*H, T, D]
+        rg = None if rel is None else rel.permute(0, 2, 1).reshape(-1, layout.T)
+        for name in a:
+            if name in EXACT_FIELDS:
+                assert torch.equal(a[name], b[name]), f"{type(codec).__name__}.{name} differs"
+            elif name in ("codes1", "trits"):
+                if name == "codes1":
+                    ca = ((a[name].unsqueeze(-1) >> torch.arange(8)) & 1).flatten(1)
+                    cb = ((b[name].unsqueeze(-1) >> torch.arange(8)) & 1).flatten(1)
+                    n = layout.T * codec.n1
+                else:
+                    p3 = 3 ** torch.arange(5)
+                    ca = ((a[name].long().unsqueeze(-1) // p3) % 3).flatten(1)
+                    cb = ((b[name].long().unsqueeze(-1) // p3) % 3).flatten(1)
+                    n = codec.n_low * layout.D
+                mismatch = ca[:, :n] != cb[:, :n]
+                assert mismatch.float().mean() < 1e-3, f"{name}: {int(mismatch.sum())} codes differ"
+                if mismatch.any():
+                    assert tie_margin_ok(name, codec, xg, mismatch, rg), f"{name}: not at ties"
+            else:  # fp16 levels: lo1/hi1/s1/alpha
+                fa = a[name].contiguous().view(torch.float16).float()
+                fb = b[name].contiguous().view(torch.float16).float()
+                step = torch.maximum(fa.abs(), fb.abs()) * 2.0 ** -10 + 2.0 ** -24
+                assert bool(((fa - fb).abs() <= step).all()), f"{name}: more than one fp16 step"
+                # rare (a level's last float32 bit rounding to the other fp16 neighbour)
+                differ = int((fa != fb).sum())
+                assert differ <= max(1, 0.02 * fa.numel()), f"{name}: {differ} levels differ"

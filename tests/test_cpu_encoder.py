@@ -1,0 +1,159 @@
+"""The C++ encoder (csrc/cpu/encode_states.cpp, vllm_lowbit_kv.ops.cpu.encode_states /
+store) against the codecs (the reference store), field by field (tests/_state_agreement.py:
+min-max codes, scales, zeros and masks bit-identical; codes decided by a float32 mean only
+at ties, fp16 levels within one step); pages poisoned first, nothing else written. Also:
+where the serving path takes it (bf16 / fp16 models) and where it does not (float32, STP).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_lowbit_kv.ops import cpu, reference
+from vllm_lowbit_kv.paged import PagedLayout
+from vllm_lowbit_kv.schemes import get_scheme
+
+from _state_agreement import assert_states_agree
+
+POISON = 0xAB
+#: (scheme, codec overrides): every format the encoder writes, and its codec variants
+FORMATS = [
+    ("vidkv", {}), ("vidkv_paper", {}), ("kivi2", {}), ("kivi4", {}), ("vidkv_k2v2", {}),
+    ("vidkv_k15v2", {}), ("vidkv", {"fft": False}), ("vidkv", {"one_bit": "sign"}),
+    ("vidkv", {"one_bit": "minmax", "k": 0.75}), ("vidkv", {"k": 0.25}),
+    ("kivi2", {"group_size": 16}), ("kivi4", {"bits": 8}), ("vidkv", {"gamma": 0.4}),
+]
+#: formats the encoder leaves to the codecs (STP needs the relevance scores)
+CODEC_ONLY = [("vidkv_stp", {}), ("vidkv_visual", {})]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    reason = cpu.load_library()
+    assert reason is None, reason  # CI must build the kernel, not skip it
+
+
+def layout_for(scheme, params, H, T, block_size, D=64, sinks=0):
+    s = get_scheme(scheme)
+    s = s.with_params(**params) if params else s
+    kc, vc = s.codecs(D, T, layer=0)
+    return PagedLayout(kc, vc, H, block_size, sinks)
+
+
+def kv(E, T, H, D, dtype, seed, key_scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    offset = torch.randn(D, generator=g) * 2  # per-channel offsets, as real keys have
+    k = torch.randn(E, T, H, D, generator=g) * key_scale + offset
+    v = torch.randn(E, T, H, D, generator=g)
+    return k.to(dtype), v.to(dtype)
+
+
+def stored(store, layout, k, v, gids, blocks):
+    pages = torch.full(layout.page_shape(blocks), POISON, dtype=torch.uint8)
+    store(k, v, gids, pages, layout)
+    return pages
+
+
+def check_store(layout, k, v, seed=0):
+    E = k.shape[0]
+    blocks = -(-E // layout.groups_per_block) + 1
+    gids = torch.randperm(blocks * layout.groups_per_block,
+                          generator=torch.Generator().manual_seed(seed))[:E]
+    ref = stored(reference.store, layout, k, v, gids, blocks)
+    got = stored(cpu.store, layout, k, v, gids, blocks)
+    assert cpu.encode_reason(layout.format) is None
+    assert_states_agree(layout, layout.read_states(ref, gids), layout.read_states(got, gids),
+                        k, v, None)
+    untouched = ref.clone()
+    layout.write_states(untouched, gids, layout.read_states(got, gids))
+    assert torch.equal(got, untouched)  # nothing else written: other states, sinks, padding
+    return ref, got, gids
+
+
+@pytest.mark.parametrize("scheme,params", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encoder_matches_the_codecs(scheme, params, dtype):
+    T, H = 32, 3
+    layout = layout_for(scheme, params, H, T, 64, sinks=2)  # sink areas stay untouched
+    k, v = kv(7, T, H, 64, dtype, seed=len(scheme) + T)
+    k[0, :, 1, 5] = 0.75  # a constant channel: zero scale
+    v[1, :, 0, 9] = -2.0
+    v[2, 3] = v[2, 4]  # duplicated tokens: tied ranges
+    k[3, :, 2, 7] = k[3, :, 2, 8]  # tied channel ranges: the lower channel wins
+    ref, got, gids = check_store(layout, k, v)
+    dk, dv = layout.decode(layout.read_states(got, gids))
+    rk, rv = layout.decode(layout.read_states(ref, gids))
+    for a, b in ((dk, rk), (dv, rv)):
+        assert (a - b).norm() / b.norm() < 1e-3
+
+
+@settings(max_examples=25, deadline=None)
+@given(scheme=st.sampled_from([f for f in FORMATS]), T=st.sampled_from([8, 16, 48, 128]),
+       H=st.integers(1, 4), D=st.sampled_from([16, 32, 64, 128]), E=st.integers(1, 5),
+       scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**16))
+def test_encoder_matches_the_codecs_random_shapes(scheme, T, H, D, E, scale, seed):
+    name, params = scheme
+    layout = layout_for(name, params, H, T, T * 2, D=D)
+    k, v = kv(E, T, H, D, torch.float32, seed, key_scale=3.0 * scale)
+    check_store(layout, k, v * scale, seed)
+
+
+@pytest.mark.parametrize("magnitude", [1e-6, 3e4])
+def test_encoder_is_bit_exact_for_kivi_at_extreme_magnitudes(magnitude):
+    """Tiny ranges (subnormal fp16 scales) and values near the fp16 limit."""
+    layout = layout_for("kivi2", {}, 2, 16, 16)
+    k, v = (x * magnitude for x in kv(4, 16, 2, 64, torch.float32, seed=3))
+    k, v = k.clamp(-65504, 65504), v.clamp(-65504, 65504)
+    gids = torch.tensor([3, 0, 2, 1])
+    assert torch.equal(stored(cpu.store, layout, k, v, gids, 4),
+                       stored(reference.store, layout, k, v, gids, 4))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 7e4])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_encoder_refuses_what_fp16_metadata_cannot_hold(bad, which):
+    layout = layout_for("vidkv", {}, 2, 16, 16)
+    k, v = kv(2, 16, 2, 64, torch.float32, seed=1)
+    (k if which == "k" else v)[1, 3, 0, 5] = bad
+    with pytest.raises(ValueError, match="65504"):
+        cpu.encode_states(layout.format, k, v)
+
+
+@pytest.mark.parametrize("scheme,params", CODEC_ONLY)
+def test_stp_formats_stay_with_the_codecs(scheme, params):
+    layout = layout_for(scheme, params, 2, 32, 32)
+    assert "STP" in cpu.encode_reason(layout.format)
+    k, v = kv(3, 32, 2, 64, torch.float32, seed=5)
+    assert cpu.encode_states(layout.format, k, v) is None
+    gids = torch.tensor([2, 0, 1])
+    assert torch.equal(stored(cpu.store, layout, k, v, gids, 3),
+                       stored(reference.store, layout, k, v, gids, 3))
+
+
+@pytest.mark.parametrize("dtype,takes_cpp", [(torch.bfloat16, True), (torch.float16, True),
+                                             (torch.float32, False)])
+def test_serving_writes_take_the_encoder_for_bf16_and_fp16_only(monkeypatch, dtype, takes_cpp):
+    """paged.forward_layer through chunked prefill and decode: a bf16 / fp16 model's groups
+    go through the C++ encoder (sink groups included), a float32 model's (the engines'
+    parity mode) through the codecs; either way the pages hold what the codecs would
+    store, up to ties."""
+    import vllm_lowbit_kv.paged.layout as paged_layout
+    from test_paged import make, run_schedule
+
+    calls = []
+
+    def spy(fmt, k, v):
+        calls.append(k.shape[0])
+        return cpu.encode_states(fmt, k, v)
+
+    monkeypatch.setattr(paged_layout, "encode_states", spy)
+    torch.manual_seed(4)
+    seqs = [tuple(torch.randn(L, 3, 64).to(dtype) for _ in range(2)) + (
+        torch.randn(L, 9, 64).to(dtype),) for L in (70, 37)]  # test_paged's 3 KV heads
+    tables = [torch.arange(i * 8, (i + 1) * 8) for i in range(2)]
+    layout, pages, staging, alloc = make("vidkv", T=16, block_size=32, sinks=2)
+    run_schedule(layout, pages, staging, alloc, seqs, tables, [[40, 20], [30, 17], [1, 1]])
+    assert (sum(calls) == 6) == takes_cpp and bool(calls) == takes_cpp  # 4 + 2 full groups

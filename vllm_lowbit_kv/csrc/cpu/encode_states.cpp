@@ -1,0 +1,398 @@
+// Encoding filled K/V groups into page states on the CPU: the codecs of
+// vllm_lowbit_kv/codecs/ (kivi.py, quant.py, vidkv.py; their docstrings carry the paper's
+// equations) in C++, for the serving path's writes (vllm_lowbit_kv/ops/cpu.py,
+// encode_states). In PyTorch each group costs dozens of small tensor operations, which made
+// encoding the largest part of our own prefill work; here one pass per (group, head).
+//
+// Codecs: KIVI per-channel keys and per-token / per-channel values (2, 4, 8 bits), VidKV keys
+// (range-selected 2-bit channels, 1-bit channels or unique-rfft components with any
+// one_bit mode) and ternary values, without STP (Python keeps the codecs for STP formats).
+// Same arithmetic as the codecs, in float32: min/max, fp16 metadata rounded before the
+// codes are computed, round half to even. Bit-identical to them except where a sum's order
+// matters (means over tokens and the rfft, which is the fixed forward map here): there a
+// code may differ from the codecs' only within float32 rounding of its threshold, and an
+// fp16 level by one step (tests/test_cpu_kernel.py checks exactly that).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "descriptors.h"
+
+namespace lowbit_kv {
+namespace {
+
+enum OneBit { ONE_BIT_MEAN = 0, ONE_BIT_SIGN = 1, ONE_BIT_MINMAX = 2 };  // vidkv.ONE_BIT_MODES
+constexpr float kFp16Max = 65504.f;
+// (q + M) - M rounds float32 |q| < 2**22 to the nearest integer, ties to even, as
+// torch.round does (and vectorizes); codes here are within [-1, levels + 1]
+constexpr float kRoundMagic = 12582912.f;  // 1.5 * 2**23
+
+inline float to_half(float x) { return static_cast<float>(c10::Half(x)); }
+
+inline void put_halves(uint8_t* field, const float* x, int n) {
+  for (int i = 0; i < n; ++i) {
+    const uint16_t bits = c10::Half(x[i]).x;
+    field[2 * i] = static_cast<uint8_t>(bits & 0xFF);
+    field[2 * i + 1] = static_cast<uint8_t>(bits >> 8);
+  }
+}
+
+// codes [n] of `bits` bits (bits divides 8) -> a little-end-first packed field
+void pack_codes(const uint8_t* codes, int n, int bits, uint8_t* field) {
+  const int per = 8 / bits;
+  for (int b = 0; b * per < n; ++b) {
+    int byte = 0;
+    for (int k = 0; k < per && b * per + k < n; ++k) byte |= codes[b * per + k] << (k * bits);
+    field[b] = static_cast<uint8_t>(byte);
+  }
+}
+
+// per-column min and max of x [T, n] (row stride ld)
+void column_range(const float* x, int T, int n, int ld, float* lo, float* hi) {
+  std::copy(x, x + n, lo);
+  std::copy(x, x + n, hi);
+  for (int t = 1; t < T; ++t)
+    for (int i = 0; i < n; ++i) {
+      const float v = x[t * ld + i];
+      lo[i] = v < lo[i] ? v : lo[i];
+      hi[i] = v > hi[i] ? v : hi[i];
+    }
+}
+
+// codes of one row x [n]: round((x - zero) / divisor) clamped to [0, levels]; a divisor of
+// 1 marks a zero scale (codes 0). __restrict: uint8 stores may alias anything otherwise,
+// which keeps the compiler from vectorizing
+void quantize_row(const float* __restrict x, int n, const float* __restrict zero,
+                  const float* __restrict divisor, float levels, uint8_t* __restrict codes) {
+  for (int i = 0; i < n; ++i) {
+    float q = ((x[i] - zero[i]) / divisor[i] + kRoundMagic) - kRoundMagic;
+    q = q < 0.f ? 0.f : (q > levels ? levels : q);
+    codes[i] = static_cast<uint8_t>(static_cast<int>(q));
+  }
+}
+
+// Min-max quantization (quant.py: minmax_params, quantize) of x [rows, n] (row stride ld)
+// with one quantizer per column (lo, hi given per column): fp16 zero = lo, fp16 scale =
+// (hi - zero) / levels, codes round((x - zero) / scale) clamped, 0 where the scale is 0.
+// Writes the codes [rows, n] row-major into `codes`, scale / zero [n] into the fields.
+void minmax_columns(const float* x, int rows, int n, int ld, const float* lo, const float* hi,
+                    int bits, uint8_t* codes, uint8_t* scale_field, uint8_t* zero_field,
+                    std::vector<float>& work) {
+  const float levels = static_cast<float>((1 << bits) - 1);
+  work.resize(3 * static_cast<size_t>(n));
+  float *zero = work.data(), *scale = zero + n, *divisor = scale + n;
+  for (int i = 0; i < n; ++i) {
+    zero[i] = to_half(lo[i]);
+    scale[i] = to_half(std::max((hi[i] - zero[i]) / levels, 0.f));
+    divisor[i] = scale[i] > 0.f ? scale[i] : 1.f;
+  }
+  put_halves(scale_field, scale, n);
+  put_halves(zero_field, zero, n);
+  for (int t = 0; t < rows; ++t) quantize_row(x + t * ld, n, zero, divisor, levels, codes + t * n);
+  for (int i = 0; i < n; ++i)  // a zero scale (a constant column) codes everything as 0
+    if (!(scale[i] > 0.f))
+      for (int t = 0; t < rows; ++t) codes[t * n + i] = 0;
+}
+
+// Scratch of one thread: the group and its intermediate arrays.
+struct Scratch {
+  std::vector<float> x, y, lo, hi, work;
+  std::vector<uint8_t> codes;
+  std::vector<int8_t> trits;
+};
+
+// KIVI per channel (kivi.py, axis "channel"): x [T, D]; descriptor [kind, bits, codes,
+// scale, zero] (KK_* and KC_* agree)
+void kivi_channels(const float* x, int T, int D, const int64_t* d, uint8_t* out, Scratch& s) {
+  const int bits = static_cast<int>(d[KK_BITS]);
+  s.lo.resize(D);
+  s.hi.resize(D);
+  s.codes.resize(static_cast<size_t>(T) * D);
+  column_range(x, T, D, D, s.lo.data(), s.hi.data());
+  minmax_columns(x, T, D, D, s.lo.data(), s.hi.data(), bits, s.codes.data(), out + d[KK_SCALE],
+                 out + d[KK_ZERO], s.work);
+  pack_codes(s.codes.data(), T * D, bits, out + d[KK_CODES]);
+}
+
+// KIVI per token (kivi.py, axis "token"): one quantizer per (token, `group` channels)
+void kivi_tokens(const float* x, int T, int D, const int64_t* d, uint8_t* out, Scratch& s) {
+  const int bits = static_cast<int>(d[KT_BITS]), group = static_cast<int>(d[KT_GROUP]);
+  const int per_token = D / group;
+  s.lo.resize(static_cast<size_t>(T) * per_token);
+  s.hi.resize(s.lo.size());
+  for (int r = 0; r < T * per_token; ++r) {
+    const auto [mn, mx] = std::minmax_element(x + r * group, x + (r + 1) * group);
+    s.lo[r] = *mn;
+    s.hi[r] = *mx;
+  }
+  s.codes.resize(static_cast<size_t>(T) * D);
+  std::vector<float>& w = s.work;
+  const float levels = static_cast<float>((1 << bits) - 1);
+  w.resize(2 * s.lo.size());
+  float *zero = w.data(), *scale = zero + s.lo.size();
+  for (size_t r = 0; r < s.lo.size(); ++r) {
+    zero[r] = to_half(s.lo[r]);
+    scale[r] = to_half(std::max((s.hi[r] - zero[r]) / levels, 0.f));
+  }
+  std::vector<float> zeros(group), divisors(group);
+  for (size_t r = 0; r < s.lo.size(); ++r) {
+    uint8_t* codes = s.codes.data() + r * group;
+    if (!(scale[r] > 0.f)) {
+      std::fill(codes, codes + group, 0);
+      continue;
+    }
+    std::fill(zeros.begin(), zeros.end(), zero[r]);
+    std::fill(divisors.begin(), divisors.end(), scale[r]);
+    quantize_row(x + r * group, group, zeros.data(), divisors.data(), levels, codes);
+  }
+  put_halves(out + d[KT_SCALE], scale, static_cast<int>(s.lo.size()));
+  put_halves(out + d[KT_ZERO], zero, static_cast<int>(s.lo.size()));
+  pack_codes(s.codes.data(), T * D, bits, out + d[KT_CODES]);
+}
+
+// one row of the mean split: bit = y > mean; sums of each side and the count of ones
+void split_row(const float* __restrict y, int n, const float* __restrict mean,
+               float* __restrict s1, float* __restrict s0, float* __restrict count,
+               uint8_t* __restrict bits) {
+  for (int j = 0; j < n; ++j) {
+    const bool one = y[j] > mean[j];
+    s1[j] += one ? y[j] : 0.f;
+    s0[j] += one ? 0.f : y[j];
+    count[j] += one ? 1.f : 0.f;
+    bits[j] = one;
+  }
+}
+
+// 1-bit code of y [T, n] per column over the tokens (vidkv.one_bit_quantize): bits [T, n]
+// packed into `codes_field`, levels lo / hi (or the single s1 for "sign", in hi_field)
+void one_bit(const float* y, int T, int n, int mode, uint8_t* codes_field, uint8_t* lo_field,
+             uint8_t* hi_field, Scratch& s) {
+  s.codes.assign(static_cast<size_t>(T) * n, 0);
+  s.work.assign(5 * static_cast<size_t>(n), 0.f);
+  float *a = s.work.data(), *b = a + n, *s1 = b + n, *s0 = s1 + n, *count = s0 + n;
+  if (mode == ONE_BIT_MINMAX) {  // levels min and max; bit = round((y - lo) / (hi - lo))
+    column_range(y, T, n, n, a, b);
+    for (int j = 0; j < n; ++j) {
+      a[j] = to_half(a[j]);
+      b[j] = to_half(b[j]);
+      s1[j] = b[j] - a[j] > 0.f ? b[j] - a[j] : 1.f;
+    }
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < n; ++j) {
+        const float q = ((y[t * n + j] - a[j]) / s1[j] + kRoundMagic) - kRoundMagic;
+        s.codes[t * n + j] = b[j] - a[j] > 0.f && q >= 1.f;
+      }
+    put_halves(lo_field, a, n);
+    put_halves(hi_field, b, n);
+  } else if (mode == ONE_BIT_SIGN) {  // levels -s, +s with s = mean |y|
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < n; ++j) {
+        a[j] += std::fabs(y[t * n + j]);
+        s.codes[t * n + j] = y[t * n + j] > 0.f;
+      }
+    for (int j = 0; j < n; ++j) a[j] /= static_cast<float>(T);
+    put_halves(hi_field, a, n);
+  } else {  // split at the mean; levels the means of each side (one Lloyd step)
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < n; ++j) a[j] += y[t * n + j];
+    for (int j = 0; j < n; ++j) a[j] /= static_cast<float>(T);
+    for (int t = 0; t < T; ++t) split_row(y + t * n, n, a, s1, s0, count, s.codes.data() + t * n);
+    for (int j = 0; j < n; ++j) {
+      const float n1 = count[j], n0 = static_cast<float>(T) - n1;
+      float hi = s1[j] / std::max(n1, 1.f), lo = s0[j] / std::max(n0, 1.f);
+      if (n1 == 0.f) hi = lo;
+      if (n0 == 0.f) lo = hi;
+      a[j] = lo;
+      b[j] = hi;
+    }
+    put_halves(lo_field, a, n);
+    put_halves(hi_field, b, n);
+  }
+  pack_codes(s.codes.data(), T * n, 1, codes_field);
+}
+
+// VidKV keys (vidkv.VidKVKeyCodec, no STP): the n2 widest-range channels 2-bit per
+// channel, the others 1-bit, in the unique-rfft domain when `fft` (forward map F
+// [n1, n1]: y = x F)
+void vidkv_key(const float* x, int T, int D, const int64_t* d, int mode, const float* fft,
+               uint8_t* out, Scratch& s) {
+  const int n2 = static_cast<int>(d[VK_N2]), n1 = static_cast<int>(d[VK_N1]);
+  s.lo.resize(D);
+  s.hi.resize(D);
+  column_range(x, T, D, D, s.lo.data(), s.hi.data());
+  std::vector<float> range(D);
+  for (int c = 0; c < D; ++c) range[c] = s.hi[c] - s.lo[c];
+  // the n2 largest ranges, ties to the lower channel (a stable descending sort)
+  std::vector<int> order(D);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return range[a] > range[b]; });
+  std::vector<uint8_t> two(D, 0);
+  for (int i = 0; i < n2; ++i) two[order[i]] = 1;
+  pack_codes(two.data(), D, 1, out + d[VK_CHAN_MASK]);
+  // the state's channel order: 2-bit channels, then 1-bit ones, each in index order
+  std::vector<int> perm;
+  perm.reserve(D);
+  for (int pass = 1; pass >= 0; --pass)
+    for (int c = 0; c < D; ++c)
+      if (two[c] == pass) perm.push_back(c);
+  s.y.resize(static_cast<size_t>(T) * D);
+  float* xp = s.y.data();
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < D; ++i) xp[t * D + i] = x[t * D + perm[i]];
+  std::vector<float> lo2(n2), hi2(n2);
+  for (int i = 0; i < n2; ++i) {
+    lo2[i] = s.lo[perm[i]];
+    hi2[i] = s.hi[perm[i]];
+  }
+  s.codes.resize(static_cast<size_t>(T) * n2);
+  minmax_columns(xp, T, n2, D, lo2.data(), hi2.data(), 2, s.codes.data(), out + d[VK_SCALE2],
+                 out + d[VK_ZERO2], s.work);
+  pack_codes(s.codes.data(), T * n2, 2, out + d[VK_CODES2]);
+  if (n1 == 0) return;
+  std::vector<float> y(static_cast<size_t>(T) * n1, 0.f);
+  for (int t = 0; t < T; ++t) {
+    const float* x1 = xp + t * D + n2;
+    float* yt = y.data() + t * n1;
+    if (fft) {
+      for (int c = 0; c < n1; ++c)
+        for (int j = 0; j < n1; ++j) yt[j] += x1[c] * fft[c * n1 + j];
+    } else {
+      std::copy(x1, x1 + n1, yt);
+    }
+  }
+  one_bit(y.data(), T, n1, mode, out + d[VK_CODES1], out + d[VK_LO1], out + d[VK_HI1], s);
+}
+
+// one row of trits: sign(v) where |v| > threshold, else 0; sums and counts of the kept |v|
+void trit_row(const float* __restrict x, int D, const float* __restrict threshold,
+              float* __restrict kept, float* __restrict count, int8_t* __restrict trits) {
+  for (int c = 0; c < D; ++c) {
+    const float a = std::fabs(x[c]);
+    const bool keep = a > threshold[c];
+    kept[c] += keep ? a : 0.f;
+    count[c] += keep ? 1.f : 0.f;
+    trits[c] = static_cast<int8_t>(keep ? (x[c] > 0.f ? 1 : -1) : 0);
+  }
+}
+
+// ternary values (vidkv.TernaryValueCodec, no STP): per channel, trit = sign(v) where
+// |v| > gamma * mean |v|, alpha = mean |v| of the kept elements; trits base 3, five a byte
+void ternary_value(const float* x, int T, int D, const int64_t* d, float gamma, uint8_t* out,
+                   Scratch& s) {
+  s.work.assign(3 * static_cast<size_t>(D), 0.f);
+  float *threshold = s.work.data(), *kept = threshold + D, *count = kept + D;
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < D; ++c) threshold[c] += std::fabs(x[t * D + c]);
+  for (int c = 0; c < D; ++c) threshold[c] = gamma * (threshold[c] / static_cast<float>(T));
+  const int n = T * D;
+  s.trits.resize(static_cast<size_t>(n) + 5);
+  for (int t = 0; t < T; ++t) trit_row(x + t * D, D, threshold, kept, count, s.trits.data() + t * D);
+  for (int c = 0; c < D; ++c) kept[c] /= std::max(count[c], 1.f);
+  put_halves(out + d[TV_ALPHA], kept, D);
+  std::fill(s.trits.begin() + n, s.trits.end(), 0);  // padding: the zero trit
+  uint8_t* packed = out + d[TV_TRITS];
+  for (int b = 0; b * 5 < n; ++b) {
+    const int8_t* q = s.trits.data() + 5 * b;
+    packed[b] = static_cast<uint8_t>((q[0] + 1) + 3 * (q[1] + 1) + 9 * (q[2] + 1) +
+                                     27 * (q[3] + 1) + 81 * (q[4] + 1));
+  }
+}
+
+// copy group rows [T, D] (row stride ld) into x; false when an element is NaN, Inf or
+// above the fp16 range (base.require_fp16_range)
+bool load_group(const float* src, int T, int D, int64_t ld, std::vector<float>& x) {
+  x.resize(static_cast<size_t>(T) * D);
+  bool ok = true;
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < D; ++c) {
+      const float v = src[t * ld + c];
+      ok &= std::fabs(v) <= kFp16Max;  // false for NaN
+      x[t * D + c] = v;
+    }
+  return ok;
+}
+
+}  // namespace
+
+// K, V [E, T, H, D] float32 -> states [E, H, state_bytes] (zeroed first: padding stays 0).
+// Returns false, with the states unspecified, when an element is NaN, Inf or above 65504.
+bool encode_states(const at::Tensor& key, const at::Tensor& value,
+                   const std::vector<int64_t>& geometry, const std::vector<int64_t>& key_desc,
+                   const std::vector<int64_t>& value_desc, int64_t one_bit_mode, double gamma,
+                   const at::Tensor& fft_forward, const at::Tensor& states) {
+  TORCH_CHECK(geometry.size() == G_COUNT, "geometry: ", G_COUNT, " integers");
+  const int64_t T = geometry[G_T], D = geometry[G_D], H = geometry[G_H];
+  const int64_t state_bytes = geometry[G_STATE_BYTES], k_bytes = geometry[G_K_BYTES];
+  for (const at::Tensor* x : {&key, &value})
+    TORCH_CHECK(x->scalar_type() == at::kFloat && x->is_contiguous() && x->dim() == 4 &&
+                    x->size(1) == T && x->size(2) == H && x->size(3) == D,
+                "key, value: float32 contiguous [E, T, H, D] with the format's T, H, D");
+  const int64_t E = key.size(0);
+  TORCH_CHECK(value.size(0) == E, "key and value: the same groups");
+  TORCH_CHECK(states.scalar_type() == at::kByte && states.is_contiguous() && states.dim() == 3 &&
+                  states.size(0) == E && states.size(1) == H && states.size(2) == state_bytes,
+              "states: uint8 contiguous [E, H, state_bytes]");
+  const bool vidkv = key_desc.at(0) == KEY_VIDKV;
+  TORCH_CHECK(key_desc[0] == KEY_KIVI_CHANNEL || (vidkv && key_desc.at(VK_NP) == 0),
+              "keys: KIVI per channel or VidKV without STP");
+  const int64_t vkind = value_desc.at(0);
+  TORCH_CHECK(vkind == VAL_KIVI_TOKEN || vkind == VAL_KIVI_CHANNEL ||
+                  (vkind == VAL_TERNARY && value_desc.at(TV_NP) == 0),
+              "values: KIVI or ternary without STP");
+  const bool fft = fft_forward.numel() > 0;
+  if (vidkv && fft)
+    TORCH_CHECK(fft_forward.scalar_type() == at::kFloat && fft_forward.is_contiguous() &&
+                    fft_forward.numel() == key_desc[VK_N1] * key_desc[VK_N1],
+                "fft_forward: float32 [n1, n1]");
+  const float* F = fft ? fft_forward.data_ptr<float>() : nullptr;
+  const float* K = key.data_ptr<float>();
+  const float* V = value.data_ptr<float>();
+  uint8_t* S = states.data_ptr<uint8_t>();
+  states.zero_();
+  std::atomic<bool> in_range{true};
+  at::parallel_for(0, E * H, 1, [&](int64_t begin, int64_t end) {
+    Scratch s;
+    std::vector<float> x;
+    const int tokens = static_cast<int>(T), dim = static_cast<int>(D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t at = (i / H * T * H + i % H) * D;  // token 0 of head i % H, group i / H
+      uint8_t* out = S + i * state_bytes;
+      bool ok = load_group(K + at, tokens, dim, H * D, x);
+      if (vidkv)
+        vidkv_key(x.data(), tokens, dim, key_desc.data(), static_cast<int>(one_bit_mode), F, out,
+                  s);
+      else
+        kivi_channels(x.data(), tokens, dim, key_desc.data(), out, s);
+      ok &= load_group(V + at, tokens, dim, H * D, x);
+      uint8_t* vout = out + k_bytes;
+      if (vkind == VAL_KIVI_TOKEN)
+        kivi_tokens(x.data(), tokens, dim, value_desc.data(), vout, s);
+      else if (vkind == VAL_KIVI_CHANNEL)
+        kivi_channels(x.data(), tokens, dim, value_desc.data(), vout, s);
+      else
+        ternary_value(x.data(), tokens, dim, value_desc.data(), static_cast<float>(gamma), vout,
+                      s);
+      if (!ok) in_range = false;
+    }
+  });
+  return in_range;
+}
+
+TORCH_LIBRARY_FRAGMENT(lowbit_kv, m) {
+  m.def(
+      "encode_states(Tensor key, Tensor value, int[] geometry, int[] key_desc, int[] value_desc, "
+      "int one_bit_mode, float gamma, Tensor fft_forward, Tensor(a!) states) -> bool");
+}
+
+TORCH_LIBRARY_IMPL(lowbit_kv, CPU, m) { m.impl("encode_states", &encode_states); }
+
+}  // namespace lowbit_kv
