@@ -191,14 +191,16 @@ class _Args(ctypes.Structure):  # LowbitAttentionArgs (csrc/cuda/packed_attentio
                 ("groups_per_split", ctypes.c_int32), ("scale_log2", ctypes.c_float)]
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tables", "no_tables"])
+def emulated(request, tmp_path_factory):
     """The kernel compiled for the host (csrc/cuda/host_emulation.cpp), as a function with
-    the contract's signature."""
+    the contract's signature; built as shipped (1- and 2-bit key codes through nibble
+    tables where they fit) and with no table room (every code multiplied one by one)."""
     if shutil.which("g++") is None or _cuda_home() is None:
         pytest.skip("g++ or the CUDA headers missing")
-    lib_path = tmp_path_factory.mktemp("emu") / "lowbit_emulated.so"
-    proc = subprocess.run(["g++", "-O2", "-std=c++20", "-pthread", "-shared", "-fPIC",
+    lib_path = tmp_path_factory.mktemp("emu") / f"lowbit_emulated_{request.param}.so"
+    defines = ["-DLOWBIT_TABLE_BYTES=0"] if request.param == "no_tables" else []
+    proc = subprocess.run(["g++", "-O2", "-std=c++20", "-pthread", "-shared", "-fPIC", *defines,
                            f"-I{_cuda_home() / 'include'}", f"-I{SRC}",
                            str(SRC / "host_emulation.cpp"), "-o", str(lib_path)],
                           capture_output=True, text=True, timeout=300)

@@ -157,9 +157,33 @@ __host__ __device__ inline bool ternary_values(const LowbitPageFormat& f) { retu
 
 __host__ __device__ inline bool fft_keys(const LowbitPageFormat& f) { return f.key_kind == LOWBIT_KEY_VIDKV && f.fft; }
 
+// Nibble tables of the 2-bit and 1-bit key codes: for each 4-bit nibble of a token's code
+// row (2 or 4 codes) and each of its 16 values, the sum of code * coefficient per head, so
+// a score costs one table row per 4 bits instead of a multiply-add per code and head.
+// Nibbles of the 2-bit field (VidKV codes2 or KIVI 2-bit codes), then of the 1-bit field.
+#ifndef LOWBIT_TABLE_BYTES  // the tests also build with 0: no tables, codes one by one
+#define LOWBIT_TABLE_BYTES (32 * 1024)
+#endif
+constexpr int kTableBytes = LOWBIT_TABLE_BYTES;  // else (wide heads, many heads) codes one by one
+
+__host__ __device__ inline int nibbles_2bit(const LowbitPageFormat& f) {
+  if (f.key_kind == LOWBIT_KEY_VIDKV) return (2 * f.n2 + 3) / 4;
+  return f.key_bits == 2 ? (2 * f.D + 3) / 4 : 0;
+}
+
+__host__ __device__ inline int nibbles_1bit(const LowbitPageFormat& f) {
+  return f.key_kind == LOWBIT_KEY_VIDKV ? (f.n1 + 3) / 4 : 0;
+}
+
+__host__ __device__ inline int table_rows(const LowbitPageFormat& f, int RS) {
+  const int rows = 16 * (nibbles_2bit(f) + nibbles_1bit(f));
+  const bool all_small = f.key_kind == LOWBIT_KEY_VIDKV || f.key_bits == 2;
+  return all_small && rows * RS * 4 <= kTableBytes ? rows : 0;
+}
+
 // shared memory, in bytes from the (16-byte aligned) base
 struct SmemPlan {
-  int q, qperm, coef, wbias, stats, scores, red, fftw, rank, trits, state, state_stride, total;
+  int q, qperm, coef, wbias, stats, scores, red, fftw, rank, trits, tab, state, state_stride, total;
 };
 
 __host__ __device__ inline SmemPlan smem_plan(const LowbitAttentionArgs& a, int threads) {
@@ -173,13 +197,15 @@ __host__ __device__ inline SmemPlan smem_plan(const LowbitAttentionArgs& a, int 
   s.wbias = at; at += align16((threads / 32) * RS * 4);
   s.stats = at; at += align16(5 * RS * 4);  // m, l, corr (rows of RS)
   s.scores = at; at += align16(T * RS * 4);
-  s.red = at; at += align16(P * D * RS * 4);
   s.fftw = at; at += fft_keys(f) ? align16(f.n1 * f.n1 * 4) : 0;
   s.rank = at; at += align16(2 * T * 4);  // rank, prot (STP values)
   s.trits = at; at += ternary_values(f) ? align16(T * D + 5) : 0;
+  s.tab = at; at += align16(table_rows(f, RS) * RS * 4);
   s.state_stride = align16(f.state_bytes + 8);  // + padding for 32-bit bit-window reads
   s.state = at; at += 2 * s.state_stride;
-  s.total = at;
+  // after the group loop: the slices' partial outputs over the per-group scratch
+  s.red = s.scores;
+  s.total = imax(at, s.red + P * D * RS * 4);
   return s;
 }
 
@@ -210,6 +236,34 @@ __device__ __forceinline__ void dot_codes(const uint32_t* words, int pos, int n,
         load_row<GP>(cf + e * RS, c);
 #pragma unroll
         for (int g = 0; g < GP; ++g) acc[g] = fmaf(x, c[g], acc[g]);
+      }
+    }
+  }
+}
+
+// the same sum from the nibble table `tab` ([nibble][16][RS]) of this field's codes
+template <int BITS, int GP>
+__device__ __forceinline__ void dot_table(const uint32_t* words, int pos, int n, int sub, int L,
+                                          const float* tab, float (&acc)[GP]) {
+  constexpr int RS = row_stride(GP);
+  const int nbits = n * BITS, nw = (nbits + 31) / 32;
+  for (int w = sub; w < nw; w += L) {
+    const uint32_t word = bits32(words, pos + w * 32);
+    const float* tb = tab + w * 8 * 16 * RS;
+    if ((w + 1) * 32 <= nbits) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        float c[GP];
+        load_row<GP>(tb + (e * 16 + ((word >> (4 * e)) & 15u)) * RS, c);
+#pragma unroll
+        for (int g = 0; g < GP; ++g) acc[g] += c[g];
+      }
+    } else {
+      for (int e = 0; e < (nbits - w * 32 + 3) / 4; ++e) {
+        float c[GP];
+        load_row<GP>(tb + (e * 16 + ((word >> (4 * e)) & 15u)) * RS, c);
+#pragma unroll
+        for (int g = 0; g < GP; ++g) acc[g] += c[g];
       }
     }
   }
@@ -278,6 +332,8 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
   int* s_rank = reinterpret_cast<int*>(smem_raw + sp.rank);     // [T]
   int* s_prot = s_rank + T;                                     // [T]
   uint8_t* s_trit = smem_raw + sp.trits;                        // [rows][D], trit + 1
+  float* s_tab = reinterpret_cast<float*>(smem_raw + sp.tab);   // [nibble][16][RS]
+  const int tab_rows = table_rows(f, RS), nib2 = nibbles_2bit(f);
 
   // the request owning this row: the last r with q_start[r] <= row
   int lo = 0, hi = a.num_requests;
@@ -424,6 +480,42 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
       if (lane == 0) store_row<GP>(s_wbias + warp * RS, b);
     }
     __syncthreads();
+    if (tab_rows > 0) {  // B2. nibble tables from the coefficients
+      const int n_2bit = vidkv ? f.n2 : D;
+      for (int rw = tid; rw < tab_rows; rw += nthreads) {
+        const int nib = rw >> 4;
+        const uint32_t v = rw & 15;
+        float x[GP];
+#pragma unroll
+        for (int g = 0; g < GP; ++g) x[g] = 0.f;
+        if (nib < nib2) {
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const int idx = 2 * nib + k;
+            if (idx < n_2bit) {
+              const float code = u2f((v >> (2 * k)) & 3u);
+              float c[GP];
+              load_row<GP>(s_coef + idx * RS, c);
+#pragma unroll
+              for (int g = 0; g < GP; ++g) x[g] = fmaf(code, c[g], x[g]);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int idx = 4 * (nib - nib2) + k;
+            if (idx < f.n1 && ((v >> k) & 1u)) {
+              float c[GP];
+              load_row<GP>(s_coef + (f.n2 + idx) * RS, c);
+#pragma unroll
+              for (int g = 0; g < GP; ++g) x[g] += c[g];
+            }
+          }
+        }
+        store_row<GP>(s_tab + rw * RS, x);
+      }
+      __syncthreads();
+    }
 
     // C. scores (log2 units) of the group's tokens, masked below skip_tokens
     {
@@ -442,7 +534,14 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
         float s[GP];
 #pragma unroll
         for (int g = 0; g < GP; ++g) s[g] = 0.f;
-        if (t < T) {
+        if (t < T && tab_rows > 0) {
+          if (vidkv) {
+            dot_table<2, GP>(words, key_base * 8 + t * f.n2 * 2, f.n2, sub, L, s_tab, s);
+            dot_table<1, GP>(words, f.k_codes1 * 8 + t * f.n1, f.n1, sub, L, s_tab + nib2 * 16 * RS, s);
+          } else {
+            dot_table<2, GP>(words, key_base * 8 + t * D * 2, D, sub, L, s_tab, s);
+          }
+        } else if (t < T) {
           if (vidkv) {
             dot_codes<2, GP>(words, key_base * 8 + t * f.n2 * 2, f.n2, sub, L, s_coef, s);
             dot_codes<1, GP>(words, f.k_codes1 * 8 + t * f.n1, f.n1, sub, L, s_coef + f.n2 * RS, s);
@@ -540,7 +639,7 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
     }
     __syncthreads();  // the next iteration's copy overwrites this group's buffer
   }
-  copy_wait_all();
+  copy_wait_all();  // (none in flight: the last iteration issued no copy)
 
   store_row<GP>(s_red + (slice * D + c_v) * RS, acc);
   __syncthreads();
