@@ -5,31 +5,33 @@
 // of the request's groups (split-K); with several splits a second kernel
 // combines the splits' normalized outputs by their log-sum-exp.
 //
-// Design (the first version was instruction-bound at ~1% of the bandwidth: per
-// element runtime bit widths, integer divisions, trit loops, 16 guarded head
-// slots, serial global reads of the FFT map, no overlap of loads and compute):
-//  * templated on the number of heads computed (GP in 1, 2, 3, 4, 8, 16; other
-//    GQA factors round up with zero queries), so the per-head loops unroll
-//    with no guards; per-element state ([channel or token][head]) is stored
-//    head-minor with a row of RS = GP rounded up to a power of two, so one
-//    vector shared-memory load gives a code's coefficients (or a token's
-//    probabilities) for every head;
-//  * codec kinds and bit widths dispatch once per group (a uniform branch) to
-//    inner loops templated on the width: a thread reads its token's packed
-//    codes as 32-bit words (a funnel shift for any bit alignment), 32 / bits
-//    codes per word, each code turned into a float with two integer-free ops;
-//  * group states are double-buffered in shared memory: the next group's
-//    bytes are copied with cp.async (sm_80+) while the current one is computed;
-//  * VidKV: the FFT inverse map is staged in shared memory once per block; per
-//    group the query is scattered into the state's channel order and
-//    transformed once (coef = query folded into the code scales, bias = the
-//    constant part); ternary values are decoded five trits per byte into a
-//    shared int8 tile once per group (constant divisions), the per-channel
-//    magnitude applied once per element from a register.
-// Per group: scatter/decode | coefficients | scores (a token per thread or per
-// 2-4 lanes) | online softmax (a warp per head) | values (thread = channel x
-// token slice, all heads in registers). Only packed bytes are read; nothing is
-// written but the outputs.
+// Design. The first version ran at ~1% of an H200's bandwidth (2.4 ms at 32K context x
+// batch 32, SmolLM2 shape): it was instruction-bound (per-element runtime bit widths and
+// integer divisions, a loop of divisions per trit, 16 guarded head slots per FMA, serial
+// global reads of the FFT map, each group's load waiting for the previous compute). Now:
+//  * one kernel per head count GP in 1, 2, 3, 4, 8, 16 (other GQA factors round up, the
+//    extra heads with zero queries), so per-head loops unroll without guards; per-code
+//    and per-token rows are head-minor with RS = GP rounded up to a power of two, one
+//    vector shared-memory read giving every head's coefficient or probability;
+//  * codec kinds and bit widths dispatch once per group (a block-uniform branch) to
+//    loops templated on the width; a thread (or 2-4 lanes) per token reads its code row
+//    as 32-bit words with a funnel shift (any bit alignment);
+//  * 1- and 2-bit key codes (VidKV, KIVI-2) go through nibble tables built per group
+//    from the coefficients: table[nibble][value][head] = sum of code * coef over the
+//    nibble's codes, so a score costs one table row per 4 bits (one vector load and GP
+//    adds) instead of a convert and GP multiply-adds per code; wider codes, or tables
+//    above 32 KiB, take codes one by one (converted with two integer-free ops);
+//  * group states are double-buffered in shared memory, the next group's bytes copied
+//    with cp.async (sm_80+) while the current group is computed;
+//  * VidKV: the FFT inverse map is staged in shared memory once per block; per group the
+//    query is scattered into the state's channel order and transformed once (coef =
+//    query folded into the code scales, bias = the constant part); ternary values are
+//    decoded five trits per byte (multiply-shift divisions) into an int8 tile, each
+//    thread accumulates p * trit per head and applies its channel's magnitude once per
+//    group.
+// Per group: A scatter query / decode trits | B coefficients (+ B2 tables) | C scores |
+// D online softmax (a warp per head) | E values (thread = channel x token slice, every
+// head in registers). Only packed bytes are read; nothing is written but the outputs.
 
 #include <cuda_fp16.h>
 #include <math.h>
