@@ -197,7 +197,7 @@ __host__ __device__ inline SmemPlan smem_plan(const LowbitAttentionArgs& a, int 
   s.qperm = at; at += align16(D * RS * 4);
   s.coef = at; at += align16(D * RS * 4);
   s.wbias = at; at += align16((threads / 32) * RS * 4);
-  s.stats = at; at += align16(5 * RS * 4);  // m, l, corr (rows of RS)
+  s.stats = at; at += align16(5 * RS * 4);  // m, l, corr, pz (rows of RS)
   s.scores = at; at += align16(T * RS * 4);
   s.fftw = at; at += fft_keys(f) ? align16(f.n1 * f.n1 * 4) : 0;
   s.rank = at; at += align16(2 * T * 4);  // rank, prot (STP values)
@@ -307,6 +307,24 @@ __device__ __forceinline__ void kivi_values(const LowbitPageFormat& f, const uin
   }
 }
 
+// KIVI per-token values with the token's scale in p (token_scaled): acc += p' * code
+template <int BITS, int GP>
+__device__ __forceinline__ void kivi_scaled_values(const LowbitPageFormat& f, const uint8_t* st,
+                                                   const float* p, int c, int slice, int P,
+                                                   float (&acc)[GP]) {
+  constexpr int RS = row_stride(GP);
+  const int D = f.D, T = f.T;
+  const uint8_t* codes = st + f.v_codes;
+#pragma unroll 4
+  for (int t = slice; t < T; t += P) {
+    const float x = value_code<BITS>(codes, t * D + c);
+    float pr[GP];
+    load_row<GP>(p + t * RS, pr);
+#pragma unroll
+    for (int g = 0; g < GP; ++g) acc[g] = fmaf(pr[g], x, acc[g]);
+  }
+}
+
 template <int GP>
 __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
 #ifdef LOWBIT_HOST_EMULATION  // host_emulation.cpp: the CPU test harness
@@ -328,6 +346,7 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
   float* s_m = reinterpret_cast<float*>(smem_raw + sp.stats);      // [RS] each
   float* s_l = s_m + RS;
   float* s_corr = s_l + RS;
+  float* s_pz = s_corr + RS;  // per head: sum of p * zero over the group (token_scaled)
   float* s_p = reinterpret_cast<float*>(smem_raw + sp.scores);  // [T][RS]
   float* s_red = reinterpret_cast<float*>(smem_raw + sp.red);   // [P][D][RS]
   float* s_w = reinterpret_cast<float*>(smem_raw + sp.fftw);    // [n1][n1]
@@ -381,6 +400,9 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
   const int sub = tid % L, tok0 = tid / L, tok_step = nthreads / L;
   const bool vidkv = f.key_kind == LOWBIT_KEY_VIDKV;
   const bool stp = ternary_values(f) && f.n_protect > 0;
+  // KIVI per-token values with one scale per token: p * scale in the probabilities,
+  // sum p * zero added once per group (slice 0)
+  const bool token_scaled = f.val_kind == LOWBIT_VAL_KIVI_TOKEN && f.val_group == D;
 
   for (int gi = g_lo; gi < g_hi; ++gi) {
     const int buf = (gi - g_lo) & 1;
@@ -573,17 +595,24 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
       mx = warp_max(mx);
       const float m_old = s_m[g], m_new = fmaxf(m_old, mx);
       const float m_safe = m_new == -INFINITY ? 0.f : m_new;
-      float sum = 0.f;
+      float sum = 0.f, zsum = 0.f;
       for (int t = lane; t < T; t += 32) {
         const float p = exp2f(s_p[t * RS + g] - m_safe);
-        s_p[t * RS + g] = p;
         sum += p;
+        if (token_scaled) {  // KIVI values with one scale / zero per token: fold them in
+          zsum = fmaf(p, load_f16(st + f.v_zero, t), zsum);
+          s_p[t * RS + g] = p * load_f16(st + f.v_scale, t);
+        } else {
+          s_p[t * RS + g] = p;
+        }
       }
       sum = warp_sum(sum);
+      if (token_scaled) zsum = warp_sum(zsum);
       __syncwarp();
       if (lane == 0) {
         const float c = exp2f(m_old - m_safe);
         s_corr[g] = c;
+        s_pz[g] = zsum;
         s_l[g] = s_l[g] * c + sum;
         s_m[g] = m_new;
       }
@@ -631,6 +660,16 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
         }
 #pragma unroll
         for (int g = 0; g < GP; ++g) acc[g] = fmaf(alpha, tacc[g], acc[g]);  // alpha once per group
+      } else if (token_scaled) {
+        if (slice == 0) {
+          float pz[GP];
+          load_row<GP>(s_pz, pz);
+#pragma unroll
+          for (int g = 0; g < GP; ++g) acc[g] += pz[g];
+        }
+        if (f.val_bits == 2) kivi_scaled_values<2, GP>(f, st, s_p, c_v, slice, P, acc);
+        else if (f.val_bits == 4) kivi_scaled_values<4, GP>(f, st, s_p, c_v, slice, P, acc);
+        else kivi_scaled_values<8, GP>(f, st, s_p, c_v, slice, P, acc);
       } else if (f.val_bits == 2) {
         kivi_values<2, GP>(f, st, s_p, c_v, slice, P, acc);
       } else if (f.val_bits == 4) {
