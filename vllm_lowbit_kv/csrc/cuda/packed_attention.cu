@@ -28,7 +28,8 @@
 //    query folded into the code scales, bias = the constant part); ternary values are
 //    decoded five trits per byte (multiply-shift divisions) into an int8 tile, each
 //    thread accumulates p * trit per head and applies its channel's magnitude once per
-//    group.
+//    group; KIVI values with one scale per token have it folded into p (sum p * zero
+//    added once per group).
 // Per group: A scatter query / decode trits | B coefficients (+ B2 tables) | C scores |
 // D online softmax (a warp per head) | E values (thread = channel x token slice, every
 // head in registers). Only packed bytes are read; nothing is written but the outputs.
