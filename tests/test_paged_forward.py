@@ -116,9 +116,9 @@ def test_groups_with_sink_rows_are_encoded_apart_on_the_cpu(monkeypatch):
     calls = []
     encode = layout.encode
 
-    def recording(k, v, relevance=None):
+    def recording(k, v, relevance=None, cpp=False):
         calls.append((k.device.type, k.shape[0], k.clone()))
-        return encode(k, v, relevance)
+        return encode(k, v, relevance, cpp)
 
     monkeypatch.setattr(layout, "encode", recording)
     torch.manual_seed(1)
