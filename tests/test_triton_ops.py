@@ -241,6 +241,18 @@ def test_attention_long_context_default_splits(scheme):
     _check_attention(*case, scale=64 ** -0.5, splits=None)
 
 
+def test_default_split_aims_at_16_programs_per_sm(monkeypatch):
+    """The default split (measured on an H200, attention_kernel.PROGRAMS_PER_SM): about 16
+    programs per SM, at least 4 groups per split, 1 off CUDA."""
+    from vllm_lowbit_kv.ops.triton import attention_kernel as ak
+    monkeypatch.setattr(ak, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert ak._default_splits(cuda, 32 * 3, 256) == 22  # 32K context x batch 32, 3 KV heads
+    assert ak._default_splits(cuda, 3, 8) == 2  # short: 4 groups per split
+    assert ak._default_splits(cuda, 4096, 256) == 1  # the SMs are full already
+    assert ak._default_splits(torch.device("cpu"), 3, 256) == 1
+
+
 @on_device
 def test_attention_chunked_prefill_rows_use_bigger_tiles():
     """More query rows than requests: row tiles of 64 // G rows, a tile straddling nothing."""
