@@ -13,10 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_lowbit_kv.ops import cpu, reference
-from vllm_lowbit_kv.paged import PagedLayout
-from vllm_lowbit_kv.schemes import get_scheme
 
 from _state_agreement import assert_states_agree
+from test_cpu_kernel import built, layout_for  # noqa: F401 (built: the library, autouse)
 
 POISON = 0xAB
 #: (scheme, codec overrides): every format the encoder writes, and its codec variants
@@ -28,19 +27,6 @@ FORMATS = [
 ]
 #: formats the encoder leaves to the codecs (STP needs the relevance scores)
 CODEC_ONLY = [("vidkv_stp", {}), ("vidkv_visual", {})]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    reason = cpu.load_library()
-    assert reason is None, reason  # CI must build the kernel, not skip it
-
-
-def layout_for(scheme, params, H, T, block_size, D=64, sinks=0):
-    s = get_scheme(scheme)
-    s = s.with_params(**params) if params else s
-    kc, vc = s.codecs(D, T, layer=0)
-    return PagedLayout(kc, vc, H, block_size, sinks)
 
 
 def kv(E, T, H, D, dtype, seed, key_scale=3.0):
