@@ -9,7 +9,7 @@
 // batch 32, SmolLM2 shape): it was instruction-bound (per-element runtime bit widths and
 // integer divisions, a loop of divisions per trit, 16 guarded head slots per FMA, serial
 // global reads of the FFT map, each group's load waiting for the previous compute). Now:
-//  * one kernel per head count GP in 1, 2, 3, 4, 8, 16 (other GQA factors round up, the
+//  * one kernel per head count GP in 1, 2, 4, 8, 16 (other GQA factors round up, the
 //    extra heads with zero queries), so per-head loops unroll without guards; per-code
 //    and per-token rows are head-minor with RS = GP rounded up to a power of two, one
 //    vector shared-memory read giving every head's coefficient or probability;
@@ -25,13 +25,19 @@
 //    with cp.async (sm_80+) while the current group is computed;
 //  * VidKV: the FFT inverse map is staged in shared memory once per block; per group the
 //    query is scattered into the state's channel order and transformed once (coef =
-//    query folded into the code scales, bias = the constant part); ternary values are
-//    decoded five trits per byte (multiply-shift divisions) into an int8 tile, each
-//    thread accumulates p * trit per head and applies its channel's magnitude once per
-//    group; KIVI values with one scale per token have it folded into p (sum p * zero
-//    added once per group).
-// Per group: A scatter query / decode trits | B coefficients (+ B2 tables) | C scores |
-// D online softmax (a warp per head) | E values (thread = channel x token slice, every
+//    query folded into the code scales, bias = the constant part); ternary values: a
+//    byte table built once per block (byte -> its 5 trits as 2-bit fields) turns the
+//    trit bytes into a 2-bit tile, 16 trits per 32-bit word from 4 table reads, and the
+//    per-channel magnitude applies once per group; KIVI values with one scale per token
+//    have it folded into p (sum p * zero added once per group);
+//  * values: a thread takes K consecutive channels (K = 4 up to 2 heads, 2 at 4 and 8, 1
+//    at 16)
+//    of a token slice, so one probability row (every head, one vector load) and one
+//    32-bit code read serve K channels; every head's accumulators stay in registers;
+//  * up to 4 heads, launch bounds cap the registers at 64 (8 blocks of 128 per SM; GQA 3
+//    runs as 4, which fits where 3 heads took 72-96 registers).
+// Per group: A scatter query / trit tile | B coefficients (+ B2 tables) | C scores |
+// D online softmax (a warp per head) | E values (thread = K channels x token slice, every
 // head in registers). Only packed bytes are read; nothing is written but the outputs.
 
 #include <cuda_fp16.h>
@@ -154,7 +160,11 @@ __host__ __device__ inline int imin(int x, int y) { return x < y ? x : y; }
 __host__ __device__ inline int imax(int x, int y) { return x > y ? x : y; }
 
 // heads computed per block (GQA factor rounded up to an instantiated count)
-__host__ __device__ inline int heads_computed(int G) { return G <= 4 ? G : G <= 8 ? 8 : 16; }
+// (3 as 4: within 64 registers, where 3 heads took 72-96)
+__host__ __device__ inline int heads_computed(int G) { return G <= 2 ? G : G <= 4 ? 4 : G <= 8 ? 8 : 16; }
+
+// value channels per thread: K consecutive channels share each probability row load
+__host__ __device__ constexpr int value_channels(int rs) { return rs <= 2 ? 4 : rs <= 8 ? 2 : 1; }
 
 __host__ __device__ inline bool ternary_values(const LowbitPageFormat& f) { return f.val_kind == LOWBIT_VAL_TERNARY; }
 
@@ -186,12 +196,13 @@ __host__ __device__ inline int table_rows(const LowbitPageFormat& f, int RS) {
 
 // shared memory, in bytes from the (16-byte aligned) base
 struct SmemPlan {
-  int q, qperm, coef, wbias, stats, scores, red, fftw, rank, trits, tab, state, state_stride, total;
+  int q, qperm, coef, wbias, stats, scores, red, fftw, rank, trits, lut, tab, state, state_stride, total;
 };
 
 __host__ __device__ inline SmemPlan smem_plan(const LowbitAttentionArgs& a, int threads) {
   const LowbitPageFormat& f = a.fmt;
-  const int RS = row_stride(heads_computed(a.Hq / f.H)), D = f.D, T = f.T, P = threads / D;
+  const int RS = row_stride(heads_computed(a.Hq / f.H)), D = f.D, T = f.T;
+  const int P = threads * value_channels(RS) / D;  // token slices of the value step
   SmemPlan s;
   int at = 0;
   s.q = at; at += align16(D * RS * 4);
@@ -202,7 +213,9 @@ __host__ __device__ inline SmemPlan smem_plan(const LowbitAttentionArgs& a, int 
   s.scores = at; at += align16(T * RS * 4);
   s.fftw = at; at += fft_keys(f) ? align16(f.n1 * f.n1 * 4) : 0;
   s.rank = at; at += align16(2 * T * 4);  // rank, prot (STP values)
-  s.trits = at; at += ternary_values(f) ? align16(T * D + 5) : 0;
+  // ternary: 2-bit trit tile [rows][D] (16 per word) and the byte -> 5 trits table
+  s.trits = at; at += ternary_values(f) ? align16((T - f.n_protect) * D / 4) : 0;
+  s.lut = at; at += ternary_values(f) ? 256 * 4 : 0;
   s.tab = at; at += align16(table_rows(f, RS) * RS * 4);
   s.state_stride = align16(f.state_bytes + 8);  // + padding for 32-bit bit-window reads
   s.state = at; at += 2 * s.state_stride;
@@ -272,73 +285,101 @@ __device__ __forceinline__ void dot_table(const uint32_t* words, int pos, int n,
   }
 }
 
-// value code of element e (KIVI values), bits in {2, 4, 8}
-template <int BITS>
-__device__ __forceinline__ float value_code(const uint8_t* codes, int e) {
-  constexpr int PER = 8 / BITS;
-  return u2f((codes[e / PER] >> ((e % PER) * BITS)) & ((1u << BITS) - 1u));
+// K value codes of BITS bits from element e (a multiple of K) of the code stream at byte
+// `off` of the state: bits BITS * k of the result (K * BITS divides 32)
+template <int BITS, int K>
+__device__ __forceinline__ uint32_t value_codes(const uint32_t* words, int off, int e) {
+  static_assert(32 % (K * BITS) == 0, "K codes within one word");
+  return bits32(words, off * 8 + e * BITS);
 }
 
-template <int BITS, int GP>
+template <int BITS, int GP, int K>
 __device__ __forceinline__ void kivi_values(const LowbitPageFormat& f, const uint8_t* st, const float* p,
-                                            int c, int slice, int P, float (&acc)[GP]) {
+                                            int c0, int slice, int P, float (&acc)[K][GP]) {
   constexpr int RS = row_stride(GP);
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
   const int D = f.D, T = f.T;
-  const uint8_t* codes = st + f.v_codes;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(st);
   if (f.val_kind == LOWBIT_VAL_KIVI_CHANNEL) {
-    const float s = load_f16(st + f.v_scale, c), z = load_f16(st + f.v_zero, c);
+    float s[K], z[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      s[k] = load_f16(st + f.v_scale, c0 + k);
+      z[k] = load_f16(st + f.v_zero, c0 + k);
+    }
     for (int t = slice; t < T; t += P) {
-      const float v = fmaf(value_code<BITS>(codes, t * D + c), s, z);
+      const uint32_t x = value_codes<BITS, K>(words, f.v_codes, t * D + c0);
       float pr[GP];
       load_row<GP>(p + t * RS, pr);
 #pragma unroll
-      for (int g = 0; g < GP; ++g) acc[g] = fmaf(pr[g], v, acc[g]);
+      for (int k = 0; k < K; ++k) {
+        const float v = fmaf(u2f((x >> (k * BITS)) & MASK), s[k], z[k]);
+#pragma unroll
+        for (int g = 0; g < GP; ++g) acc[k][g] = fmaf(pr[g], v, acc[k][g]);
+      }
     }
   } else {
-    const int per_tok = D / f.val_group, cg = c / f.val_group;
+    const int per_tok = D / f.val_group;
     for (int t = slice; t < T; t += P) {
-      const int sidx = t * per_tok + cg;
-      const float v = fmaf(value_code<BITS>(codes, t * D + c), load_f16(st + f.v_scale, sidx),
-                           load_f16(st + f.v_zero, sidx));
+      const uint32_t x = value_codes<BITS, K>(words, f.v_codes, t * D + c0);
       float pr[GP];
       load_row<GP>(p + t * RS, pr);
 #pragma unroll
-      for (int g = 0; g < GP; ++g) acc[g] = fmaf(pr[g], v, acc[g]);
+      for (int k = 0; k < K; ++k) {
+        const int sidx = t * per_tok + (c0 + k) / f.val_group;
+        const float v = fmaf(u2f((x >> (k * BITS)) & MASK), load_f16(st + f.v_scale, sidx),
+                             load_f16(st + f.v_zero, sidx));
+#pragma unroll
+        for (int g = 0; g < GP; ++g) acc[k][g] = fmaf(pr[g], v, acc[k][g]);
+      }
     }
   }
 }
 
 // KIVI per-token values with the token's scale in p (token_scaled): acc += p' * code
-template <int BITS, int GP>
+template <int BITS, int GP, int K>
 __device__ __forceinline__ void kivi_scaled_values(const LowbitPageFormat& f, const uint8_t* st,
-                                                   const float* p, int c, int slice, int P,
-                                                   float (&acc)[GP]) {
+                                                   const float* p, int c0, int slice, int P,
+                                                   float (&acc)[K][GP]) {
   constexpr int RS = row_stride(GP);
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
   const int D = f.D, T = f.T;
-  const uint8_t* codes = st + f.v_codes;
-#pragma unroll 4
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(st);
+#pragma unroll 2
   for (int t = slice; t < T; t += P) {
-    const float x = value_code<BITS>(codes, t * D + c);
+    const uint32_t x = value_codes<BITS, K>(words, f.v_codes, t * D + c0);
     float pr[GP];
     load_row<GP>(p + t * RS, pr);
 #pragma unroll
-    for (int g = 0; g < GP; ++g) acc[g] = fmaf(pr[g], x, acc[g]);
+    for (int k = 0; k < K; ++k) {
+      const float v = u2f((x >> (k * BITS)) & MASK);
+#pragma unroll
+      for (int g = 0; g < GP; ++g) acc[k][g] = fmaf(pr[g], v, acc[k][g]);
+    }
   }
 }
 
+// up to 4 heads: at most 64 registers per thread (8 blocks of 128 threads per SM; shared
+// memory allows about as many at the benchmark shapes)
+#ifdef LOWBIT_HOST_EMULATION
+#define LOWBIT_LAUNCH_BOUNDS(threads, blocks)
+#else
+#define LOWBIT_LAUNCH_BOUNDS(threads, blocks) __launch_bounds__(threads, blocks)
+#endif
+
 template <int GP>
-__global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
+__device__ __forceinline__ void packed_attention_body(const LowbitAttentionArgs& a) {
 #ifdef LOWBIT_HOST_EMULATION  // host_emulation.cpp: the CPU test harness
   unsigned char* smem_raw = emu::shared_memory();
 #else
   extern __shared__ __align__(16) unsigned char smem_raw[];
 #endif
-  constexpr int RS = row_stride(GP);
+  constexpr int RS = row_stride(GP), K = value_channels(RS);
   const LowbitPageFormat& f = a.fmt;
   const int row = blockIdx.x, h = blockIdx.y, split = blockIdx.z;
   const int tid = threadIdx.x, nthreads = blockDim.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = nthreads >> 5;
-  const int G = a.Hq / f.H, D = f.D, T = f.T, P = nthreads / D;
+  const int G = a.Hq / f.H, D = f.D, T = f.T, P = nthreads * K / D;
   const SmemPlan sp = smem_plan(a, nthreads);
   float* s_q = reinterpret_cast<float*>(smem_raw + sp.q);          // [D][RS]
   float* s_qperm = reinterpret_cast<float*>(smem_raw + sp.qperm);  // [D][RS]
@@ -349,11 +390,12 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
   float* s_corr = s_l + RS;
   float* s_pz = s_corr + RS;  // per head: sum of p * zero over the group (token_scaled)
   float* s_p = reinterpret_cast<float*>(smem_raw + sp.scores);  // [T][RS]
-  float* s_red = reinterpret_cast<float*>(smem_raw + sp.red);   // [P][D][RS]
+  float* s_red = reinterpret_cast<float*>(smem_raw + sp.red);   // [P][D][RS] (P slices)
   float* s_w = reinterpret_cast<float*>(smem_raw + sp.fftw);    // [n1][n1]
   int* s_rank = reinterpret_cast<int*>(smem_raw + sp.rank);     // [T]
   int* s_prot = s_rank + T;                                     // [T]
-  uint8_t* s_trit = smem_raw + sp.trits;                        // [rows][D], trit + 1
+  uint32_t* s_trit = reinterpret_cast<uint32_t*>(smem_raw + sp.trits);  // [rows][D / 16]
+  uint32_t* s_lut = reinterpret_cast<uint32_t*>(smem_raw + sp.lut);      // [256]
   float* s_tab = reinterpret_cast<float*>(smem_raw + sp.tab);   // [nibble][16][RS]
   const int tab_rows = table_rows(f, RS), nib2 = nibbles_2bit(f);
 
@@ -390,11 +432,24 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
   }
   if (fft_keys(f))
     for (int i = tid; i < f.n1 * f.n1; i += nthreads) s_w[i] = __ldg(a.fft_inverse_t + i);
+  if (ternary_values(f)) {  // byte (5 trits, first in the lowest digit) -> 2-bit fields of trit + 1
+    for (int b = tid; b < 256; b += nthreads) {
+      uint32_t x = static_cast<uint32_t>(b), fields = 0;
+      for (int d = 0; d < 5; ++d) {
+        fields |= (x % 3u) << (2 * d);
+        x /= 3u;
+      }
+      s_lut[b] = b < 243 ? fields : 0u;
+    }
+  }
 
-  const int c_v = tid % D, slice = tid / D;  // value step: channel and token slice
-  float acc[GP];
+  // value step: channels c0 .. c0 + K - 1 and a token slice
+  const int c0 = (tid % (D / K)) * K, slice = tid / (D / K);
+  float acc[K][GP];
 #pragma unroll
-  for (int g = 0; g < GP; ++g) acc[g] = 0.f;
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int g = 0; g < GP; ++g) acc[k][g] = 0.f;
   // score step: L lanes per token (a power of two, at most 4)
   int L = 1;
   while (L < 4 && 2 * L * T <= nthreads) L *= 2;
@@ -415,7 +470,7 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
     const uint32_t* words = reinterpret_cast<const uint32_t*>(st);
 
     // A. VidKV: query into the state's channel order (2-bit channels, then 1-bit ones);
-    //    ternary values: trits -> int8 tile; STP: rows of the tokens
+    //    ternary values: trit bytes -> 2-bit tile; STP: rows of the tokens
     if (vidkv) {
       for (int c = tid; c < D; c += nthreads) {
         const int two = (st[f.k_cmask + c / 8] >> (c % 8)) & 1;
@@ -427,15 +482,16 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
       }
     }
     if (ternary_values(f)) {
-      const int n_bytes = ((T - f.n_protect) * D + 4) / 5;  // the tile has room for 5 per byte
-      for (int k = tid; k < n_bytes; k += nthreads) {
-        uint32_t b = st[f.v_trits + k];
-#pragma unroll
-        for (int d = 0; d < 5; ++d) {
-          const uint32_t q = (b * 171u) >> 9;  // b / 3 for b < 256
-          s_trit[5 * k + d] = static_cast<uint8_t>(b - 3u * q);
-          b = q;
-        }
+      // tile word w: trits 16w .. 16w + 15, from the 4 bytes from byte 16w / 5 (bytes
+      // past the field are the next field's or the padding: decoded, never read)
+      const int n_tile = (T - f.n_protect) * D / 16;
+      for (int w = tid; w < n_tile; w += nthreads) {
+        const int b0 = (16 * w) / 5, o = 16 * w - 5 * b0;
+        const uint32_t bytes = bits32(words, (f.v_trits + b0) * 8);
+        const uint32_t l0 = s_lut[bytes & 255u], l1 = s_lut[(bytes >> 8) & 255u];
+        const uint32_t l2 = s_lut[(bytes >> 16) & 255u], l3 = s_lut[bytes >> 24];
+        const uint32_t lo = l0 | (l1 << 10) | (l2 << 20) | (l3 << 30), hi = l3 >> 2;
+        s_trit[w] = __funnelshift_r(lo, hi, static_cast<uint32_t>(2 * o));
       }
       if (stp) {
         for (int t = tid; t < T; t += nthreads) {
@@ -620,70 +676,97 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
     }
     __syncthreads();
 
-    // E. values: thread (channel c_v, token slice) accumulates every head
+    // E. values: thread (channels c0 .. c0 + K - 1, token slice) accumulates every head;
+    //    one probability row load serves K channels
     {
       float corr[GP];
       load_row<GP>(s_corr, corr);
 #pragma unroll
-      for (int g = 0; g < GP; ++g) acc[g] *= corr[g];
-      if (ternary_values(f)) {
-        const float alpha = load_f16(st + f.v_alpha, c_v);
-        float tacc[GP];  // sum of p * trit; the channel's magnitude applies once per group
+      for (int k = 0; k < K; ++k)
 #pragma unroll
-        for (int g = 0; g < GP; ++g) tacc[g] = 0.f;
+        for (int g = 0; g < GP; ++g) acc[k][g] *= corr[g];
+      if (ternary_values(f)) {
+        float tacc[K][GP];  // sum of p * trit; the channels' magnitudes apply once per group
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+#pragma unroll
+          for (int g = 0; g < GP; ++g) tacc[k][g] = 0.f;
         if (stp) {
-          const float ps = load_f16(st + f.v_pscale, c_v), pz = load_f16(st + f.v_pzero, c_v);
+          float ps[K], pz[K];
+#pragma unroll
+          for (int k = 0; k < K; ++k) {
+            ps[k] = load_f16(st + f.v_pscale, c0 + k);
+            pz[k] = load_f16(st + f.v_pzero, c0 + k);
+          }
           for (int t = slice; t < T; t += P) {
-            const int rk = s_rank[t];
+            const int e = s_rank[t] * D + c0;  // the token's first element in its stream
             float pr[GP];
             load_row<GP>(s_p + t * RS, pr);
             if (s_prot[t]) {
-              const int e = rk * D + c_v;
-              const float v = fminf(
-                  fmaxf(fmaf(u2f((st[f.v_pcodes + e / 4] >> ((e % 4) * 2)) & 3u), ps, pz), -65504.f), 65504.f);
+              const uint32_t x = bits32(words, f.v_pcodes * 8 + 2 * e);
 #pragma unroll
-              for (int g = 0; g < GP; ++g) acc[g] = fmaf(pr[g], v, acc[g]);
+              for (int k = 0; k < K; ++k) {
+                const float v = fminf(fmaxf(fmaf(u2f((x >> (2 * k)) & 3u), ps[k], pz[k]), -65504.f), 65504.f);
+#pragma unroll
+                for (int g = 0; g < GP; ++g) acc[k][g] = fmaf(pr[g], v, acc[k][g]);
+              }
             } else {
-              const float x = trit_f(s_trit[rk * D + c_v]);
+              const uint32_t x = s_trit[e >> 4] >> ((2 * e) & 31);
 #pragma unroll
-              for (int g = 0; g < GP; ++g) tacc[g] = fmaf(pr[g], x, tacc[g]);
+              for (int k = 0; k < K; ++k) {
+                const float v = trit_f((x >> (2 * k)) & 3u);
+#pragma unroll
+                for (int g = 0; g < GP; ++g) tacc[k][g] = fmaf(pr[g], v, tacc[k][g]);
+              }
             }
           }
         } else {
-#pragma unroll 4
+#pragma unroll 2
           for (int t = slice; t < T; t += P) {
-            const float x = trit_f(s_trit[t * D + c_v]);
+            const int e = t * D + c0;
+            const uint32_t x = s_trit[e >> 4] >> ((2 * e) & 31);
             float pr[GP];
             load_row<GP>(s_p + t * RS, pr);
 #pragma unroll
-            for (int g = 0; g < GP; ++g) tacc[g] = fmaf(pr[g], x, tacc[g]);
+            for (int k = 0; k < K; ++k) {
+              const float v = trit_f((x >> (2 * k)) & 3u);
+#pragma unroll
+              for (int g = 0; g < GP; ++g) tacc[k][g] = fmaf(pr[g], v, tacc[k][g]);
+            }
           }
         }
 #pragma unroll
-        for (int g = 0; g < GP; ++g) acc[g] = fmaf(alpha, tacc[g], acc[g]);  // alpha once per group
+        for (int k = 0; k < K; ++k) {
+          const float alpha = load_f16(st + f.v_alpha, c0 + k);
+#pragma unroll
+          for (int g = 0; g < GP; ++g) acc[k][g] = fmaf(alpha, tacc[k][g], acc[k][g]);
+        }
       } else if (token_scaled) {
         if (slice == 0) {
           float pz[GP];
           load_row<GP>(s_pz, pz);
 #pragma unroll
-          for (int g = 0; g < GP; ++g) acc[g] += pz[g];
+          for (int k = 0; k < K; ++k)
+#pragma unroll
+            for (int g = 0; g < GP; ++g) acc[k][g] += pz[g];
         }
-        if (f.val_bits == 2) kivi_scaled_values<2, GP>(f, st, s_p, c_v, slice, P, acc);
-        else if (f.val_bits == 4) kivi_scaled_values<4, GP>(f, st, s_p, c_v, slice, P, acc);
-        else kivi_scaled_values<8, GP>(f, st, s_p, c_v, slice, P, acc);
+        if (f.val_bits == 2) kivi_scaled_values<2, GP, K>(f, st, s_p, c0, slice, P, acc);
+        else if (f.val_bits == 4) kivi_scaled_values<4, GP, K>(f, st, s_p, c0, slice, P, acc);
+        else kivi_scaled_values<8, GP, K>(f, st, s_p, c0, slice, P, acc);
       } else if (f.val_bits == 2) {
-        kivi_values<2, GP>(f, st, s_p, c_v, slice, P, acc);
+        kivi_values<2, GP, K>(f, st, s_p, c0, slice, P, acc);
       } else if (f.val_bits == 4) {
-        kivi_values<4, GP>(f, st, s_p, c_v, slice, P, acc);
+        kivi_values<4, GP, K>(f, st, s_p, c0, slice, P, acc);
       } else {
-        kivi_values<8, GP>(f, st, s_p, c_v, slice, P, acc);
+        kivi_values<8, GP, K>(f, st, s_p, c0, slice, P, acc);
       }
     }
     __syncthreads();  // the next iteration's copy overwrites this group's buffer
   }
   copy_wait_all();  // (none in flight: the last iteration issued no copy)
 
-  store_row<GP>(s_red + (slice * D + c_v) * RS, acc);
+#pragma unroll
+  for (int k = 0; k < K; ++k) store_row<GP>(s_red + (slice * D + c0 + k) * RS, acc[k]);
   __syncthreads();
   const int64_t n_heads = static_cast<int64_t>(a.num_rows) * a.Hq;
   const bool split_out = a.num_splits > 1;
@@ -703,6 +786,16 @@ __global__ void packed_attention_kernel(const LowbitAttentionArgs a) {
     if (split_out) a.part_lse[split * n_heads + head] = lse;
     else a.lse[head] = lse;
   }
+}
+
+template <int GP>  // 1, 2 or 4 heads
+__global__ void LOWBIT_LAUNCH_BOUNDS(256, 4) packed_attention_kernel(const LowbitAttentionArgs a) {
+  packed_attention_body<GP>(a);
+}
+
+template <int GP>  // 8 or 16 heads: no register cap
+__global__ void packed_attention_kernel_wide(const LowbitAttentionArgs a) {
+  packed_attention_body<GP>(a);
 }
 
 // out, lse of one (row, query head) from the splits' normalized parts
@@ -768,10 +861,9 @@ static LaunchPlan launch_plan(const LowbitAttentionArgs& a) {
   switch (heads_computed(a.Hq / a.fmt.H)) {
     case 1: kernel = packed_attention_kernel<1>; break;
     case 2: kernel = packed_attention_kernel<2>; break;
-    case 3: kernel = packed_attention_kernel<3>; break;
     case 4: kernel = packed_attention_kernel<4>; break;
-    case 8: kernel = packed_attention_kernel<8>; break;
-    default: kernel = packed_attention_kernel<16>; break;
+    case 8: kernel = packed_attention_kernel_wide<8>; break;
+    default: kernel = packed_attention_kernel_wide<16>; break;
   }
   return {dim3(a.num_rows, a.fmt.H, a.num_splits), threads, smem_plan(a, threads).total, kernel};
 }
