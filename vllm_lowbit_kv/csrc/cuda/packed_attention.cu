@@ -286,11 +286,17 @@ __device__ __forceinline__ void dot_table(const uint32_t* words, int pos, int n,
 }
 
 // K value codes of BITS bits from element e (a multiple of K) of the code stream at byte
-// `off` of the state: bits BITS * k of the result (K * BITS divides 32)
+// `off` of the state: bits BITS * k of the result (K * BITS divides 32; up to 8 bits they
+// lie in one byte)
 template <int BITS, int K>
 __device__ __forceinline__ uint32_t value_codes(const uint32_t* words, int off, int e) {
   static_assert(32 % (K * BITS) == 0, "K codes within one word");
-  return bits32(words, off * 8 + e * BITS);
+  if constexpr (K * BITS <= 8) {
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(words);
+    return static_cast<uint32_t>(bytes[off + ((e * BITS) >> 3)]) >> ((e * BITS) & 7);
+  } else {
+    return bits32(words, off * 8 + e * BITS);
+  }
 }
 
 template <int BITS, int GP, int K>
@@ -703,7 +709,7 @@ __device__ __forceinline__ void packed_attention_body(const LowbitAttentionArgs&
             float pr[GP];
             load_row<GP>(s_p + t * RS, pr);
             if (s_prot[t]) {
-              const uint32_t x = bits32(words, f.v_pcodes * 8 + 2 * e);
+              const uint32_t x = value_codes<2, K>(words, f.v_pcodes, e);
 #pragma unroll
               for (int k = 0; k < K; ++k) {
                 const float v = fminf(fmaxf(fmaf(u2f((x >> (2 * k)) & 3u), ps[k], pz[k]), -65504.f), 65504.f);
