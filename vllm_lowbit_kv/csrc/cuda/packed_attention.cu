@@ -33,7 +33,8 @@
 //  * values: a thread takes K consecutive channels (K = 4 up to 2 heads, 2 at 4 and 8, 1
 //    at 16)
 //    of a token slice, so one probability row (every head, one vector load) and one
-//    32-bit code read serve K channels; every head's accumulators stay in registers;
+//    code read (a byte when the K codes fit one) serve K channels; every head's
+//    accumulators stay in registers;
 //  * up to 4 heads, launch bounds cap the registers at 64 (8 blocks of 128 per SM; GQA 3
 //    runs as 4, which fits where 3 heads took 72-96 registers).
 // Per group: A scatter query / trit tile | B coefficients (+ B2 tables) | C scores |
