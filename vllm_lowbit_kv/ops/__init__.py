@@ -37,7 +37,8 @@ Each satisfies :class:`KernelImplementation` (a module with ``name``,
 
     torch   :mod:`.reference`: decodes with the codecs, then plain attention;
             any format, CPU or CUDA; stores with the codecs
-    cpp     :mod:`.cpu`, the C++ kernel of csrc/cpu/ (CPU)
+    cpp     :mod:`.cpu`, the C++ kernel of csrc/cpu/ (CPU); stores with the C++ encoder
+            (csrc/cpu/encode_states.cpp) where it writes the format, else the codecs
     triton  :mod:`.triton`, Triton kernels for attention and store (CUDA)
     cuda    :mod:`.cuda`, the kernel of csrc/cuda/ (CUDA)
 
