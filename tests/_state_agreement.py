@@ -33,14 +33,21 @@ def tie_margin_ok(name, codec, x, mismatch, rel=None):
         a = x.abs()
         margin = a - codec.gamma * a.mean(1, keepdim=True)  # trit != 0 iff margin > 0
         scale = a.amax(1, keepdim=True)
-    else:  # codes1: the 1-bit components, mean split
+    else:  # codes1: the 1-bit components, split by the codec's one_bit mode
         rng = x.amax(1) - x.amin(1)
         two = torch.zeros(G, D, dtype=torch.bool).scatter(
             1, torch.sort(rng, dim=1, descending=True, stable=True).indices[:, :codec.n2], True)
         y = torch.stack([x[g][:, ~two[g]] for g in range(G)])
         if codec.fft_active:
             y = rfft_unique(y)
-        margin = y - y.mean(1, keepdim=True)
+        if codec.one_bit == "sign":  # bit = y > 0
+            margin = y
+        elif codec.one_bit == "minmax":  # bit = round((y - lo) / (hi - lo)), fp16 levels
+            lo = y.amin(1, keepdim=True).half().double()
+            hi = y.amax(1, keepdim=True).half().double()
+            margin = y - (lo + hi) / 2
+        else:  # "mean": bit = y > mean
+            margin = y - y.mean(1, keepdim=True)
         scale = y.abs().amax(1, keepdim=True)
     where = mismatch.reshape(margin.shape)
     return bool((margin.abs() <= 1e-5 * scale)[where].all())
@@ -53,27 +60,35 @@ def assert_states_agree(layout, ref, got, k, v, rel):
         a, b = fields(codec, ref[..., lo:hi]), fields(codec, got[..., lo:hi])
         xg = x.float().permute(0, 2, 1, 3).reshape(-1, layout.T, layout.D)  # [E*H, T, D]
         rg = None if rel is None else rel.permute(0, 2, 1).reshape(-1, layout.T)
-        for name in a:
+        moved = None  # [G, columns]: components / channels in which a code flipped at a tie
+        for name in sorted(a, key=lambda f: f not in ("codes1", "trits")):  # codes first
             if name in EXACT_FIELDS:
                 assert torch.equal(a[name], b[name]), f"{type(codec).__name__}.{name} differs"
             elif name in ("codes1", "trits"):
                 if name == "codes1":
                     ca = ((a[name].unsqueeze(-1) >> torch.arange(8)) & 1).flatten(1)
                     cb = ((b[name].unsqueeze(-1) >> torch.arange(8)) & 1).flatten(1)
-                    n = layout.T * codec.n1
+                    rows, cols = layout.T, codec.n1
                 else:
                     p3 = 3 ** torch.arange(5)
                     ca = ((a[name].long().unsqueeze(-1) // p3) % 3).flatten(1)
                     cb = ((b[name].long().unsqueeze(-1) // p3) % 3).flatten(1)
-                    n = codec.n_low * layout.D
-                mismatch = ca[:, :n] != cb[:, :n]
-                assert mismatch.float().mean() < 1e-3, f"{name}: {int(mismatch.sum())} codes differ"
+                    rows, cols = codec.n_low, layout.D
+                mismatch = ca[:, :rows * cols] != cb[:, :rows * cols]
+                flips = int(mismatch.sum())  # rare: at most 0.1% (2 in a small sample)
+                assert flips <= max(2, 1e-3 * mismatch.numel()), f"{name}: {flips} codes differ"
                 if mismatch.any():
                     assert tie_margin_ok(name, codec, xg, mismatch, rg), f"{name}: not at ties"
-            else:  # fp16 levels: lo1/hi1/s1/alpha
+                moved = mismatch.reshape(-1, rows, cols).any(1)
+            else:  # fp16 levels: lo1/hi1/s1/alpha, from the codes of their column
                 fa = a[name].contiguous().view(torch.float16).float()
                 fb = b[name].contiguous().view(torch.float16).float()
-                step = torch.maximum(fa.abs(), fb.abs()) * 2.0 ** -10 + 2.0 ** -24
+                # float32 rounding of the sums moves a level by up to ~1e-5 of the group's
+                # largest magnitude (components are bounded by it), one fp16 step beyond
+                noise = 1e-5 * xg.abs().amax((1, 2)).unsqueeze(1).expand_as(fa)
+                if moved is not None:  # a code that flipped at a tie moves its column's level
+                    fa, fb, noise = fa[~moved], fb[~moved], noise[~moved]
+                step = torch.maximum(fa.abs(), fb.abs()) * 2.0 ** -10 + 2.0 ** -24 + noise
                 assert bool(((fa - fb).abs() <= step).all()), f"{name}: more than one fp16 step"
                 # rare (a level's last float32 bit rounding to the other fp16 neighbour)
                 differ = int((fa != fb).sum())
