@@ -1,7 +1,8 @@
 """The C++ encoder (csrc/cpu/encode_states.cpp, vllm_lowbit_kv.ops.cpu.encode_states /
 store) against the codecs (the reference store), field by field (tests/_state_agreement.py:
 min-max codes, scales, zeros and masks bit-identical; codes decided by a float32 mean only
-at ties, fp16 levels within one step); pages poisoned first, nothing else written. Also:
+at ties, fp16 levels within one step; RVQ indices up to float32 ties of two codes'
+distances); pages poisoned first, nothing else written. Also:
 where the serving path takes it (bf16 / fp16 models) and where it does not (float32, STP).
 """
 
@@ -12,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vllm_lowbit_kv.codecs.bitpack import unpack_bits
 from vllm_lowbit_kv.ops import cpu, reference
 
-from _state_agreement import assert_states_agree
+from _state_agreement import assert_states_agree, fields
 from test_cpu_kernel import built, layout_for  # noqa: F401 (built: the library, autouse)
 
 POISON = 0xAB
@@ -25,6 +27,8 @@ FORMATS = [
     ("vidkv", {"one_bit": "minmax", "k": 0.75}), ("vidkv", {"k": 0.25}),
     ("kivi2", {"group_size": 16}), ("kivi4", {"bits": 8}), ("vidkv", {"gamma": 0.4}),
 ]
+#: RVQ schemes (seeded random codebooks): 11-bit indices (rvq) and 8-bit ones
+RVQ_SCHEMES = ["rvq", "rvq8x256", "rvq4x256", "rvq2x256"]
 #: formats the encoder leaves to the codecs (STP needs the relevance scores)
 CODEC_ONLY = [("vidkv_stp", {}), ("vidkv_visual", {})]
 
@@ -85,6 +89,59 @@ def test_encoder_matches_the_codecs_random_shapes(scheme, T, H, D, E, scale, see
     layout = layout_for(name, params, H, T, T * 2, D=D)
     k, v = kv(E, T, H, D, torch.float32, seed, key_scale=3.0 * scale)
     check_store(layout, k, v * scale, seed)
+
+
+def rvq_layout(scheme, codebook_file, H, T):
+    return layout_for(scheme, {"codebook": str(codebook_file)}, H, T, 2 * T, sinks=2)
+
+
+@pytest.mark.parametrize("scheme", RVQ_SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rvq_encoder_matches_the_codecs(scheme, dtype, rvq_codebook_file):
+    """The greedy search (Algorithm 1), the fp16 std and the index packing against the
+    codecs; a constant token (std 0: scale 1) included."""
+    layout = rvq_layout(scheme, rvq_codebook_file(scheme), 3, 32)
+    assert cpu.encode_reason(layout.format) is None
+    k, v = kv(5, 32, 3, 64, dtype, seed=len(scheme))
+    k[1, 4, 2] = 0.5
+    v[2, 7, 0] = 0.0
+    ref, got, gids = check_store(layout, k, v)
+    for a, b in zip(layout.decode(layout.read_states(got, gids)),
+                    layout.decode(layout.read_states(ref, gids))):
+        assert (a - b).norm() / b.norm() < 1e-3
+
+
+@settings(max_examples=15, deadline=None)
+@given(scheme=st.sampled_from(RVQ_SCHEMES), T=st.sampled_from([8, 16, 64]), H=st.integers(1, 3),
+       E=st.integers(1, 4), scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**16))
+def test_rvq_encoder_matches_the_codecs_random_shapes(rvq_codebook_file, scheme, T, H, E, scale,
+                                                     seed):
+    layout = rvq_layout(scheme, rvq_codebook_file(scheme), H, T)
+    k, v = kv(E, T, H, 64, torch.float32, seed, key_scale=3.0 * scale)
+    check_store(layout, k, v * scale, seed)
+
+
+def test_rvq_encoder_takes_the_lowest_of_tied_codes(tmp_path):
+    """Every code has a twin in the codebook's upper half: each search ties exactly, and
+    the lowest index wins, as torch's argmin (the codecs) decides."""
+    from vllm_lowbit_kv.codecs.base import ModelIdentity
+    from vllm_lowbit_kv.codecs.rvq import RVQCodebooks, RVQSettings
+
+    g = torch.Generator().manual_seed(7)
+    shape = (1, 4, 256, 32)
+    key, value = (torch.randn(shape, generator=g) * 0.3 for _ in range(2))
+    for books in (key, value):
+        books[:, :, 128:] = books[:, :, :128]
+    path = RVQCodebooks(key, value, ModelIdentity("test", 1, 2, 64),
+                        RVQSettings(4, 256, 32, "strided", "contiguous"), {}).save(
+        tmp_path / "twins.safetensors")
+    layout = rvq_layout("rvq4x256", path, 2, 16)
+    k, v = kv(3, 16, 2, 64, torch.float32, seed=2)
+    ref, got, gids = check_store(layout, k, v)
+    for codec, states in ((layout.key_codec, layout.read_states(got, gids)[..., :layout.format.k_bytes]),
+                          (layout.value_codec, layout.read_states(got, gids)[..., layout.format.k_bytes:])):
+        codes = fields(codec, states)["codes"]
+        assert int(unpack_bits(codes, 8, codes.shape[-1]).max()) < 128
 
 
 @pytest.mark.parametrize("magnitude", [1e-6, 3e4])

@@ -268,12 +268,17 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def encode_reason(fmt: PageFormat) -> str | None:
     """None when :func:`encode_states` writes ``fmt``'s group states, else why not."""
-    if fmt.key_kind not in (KEY_KIVI_CHANNEL, KEY_VIDKV) or fmt.key_protect:
+    if fmt.key_kind not in (KEY_KIVI_CHANNEL, KEY_VIDKV, KEY_RVQ) or fmt.key_protect:
         return f"keys {type(fmt.key_codec).__name__} (the encoder: KIVI per channel, VidKV " \
-               "without STP)"
-    if fmt.val_kind not in (VAL_KIVI_TOKEN, VAL_KIVI_CHANNEL, VAL_TERNARY) or fmt.n_protect:
+               "without STP, RVQ)"
+    if fmt.val_kind not in (VAL_KIVI_TOKEN, VAL_KIVI_CHANNEL, VAL_TERNARY, VAL_RVQ) or \
+            fmt.n_protect:
         return f"values {type(fmt.value_codec).__name__} (the encoder: KIVI, ternary " \
-               "without STP)"
+               "without STP, RVQ)"
+    for codec in (fmt.key_codec, fmt.value_codec):
+        if getattr(codec, "codebook_size", LANES) % LANES:
+            return f"{type(codec).__name__} codebook_size {codec.codebook_size} (the " \
+                   f"encoder: a multiple of {LANES})"
     return None
 
 
@@ -283,8 +288,9 @@ def encode_states(fmt: PageFormat, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     in one pass per group (bit-identical except codes within float32 rounding of a
     threshold and fp16 levels within one step, where the codecs' sums over tokens or their
     FFT round otherwise). None where it does not run: another device, a format it does not
-    write (:func:`encode_reason`: STP needs the relevance, RVQ its search), or the library
-    not loaded (this never builds it)."""
+    write (:func:`encode_reason`: STP needs the relevance), or the library not loaded (this
+    never builds it). RVQ: the same greedy search (Algorithm 1) in float32, so an index may
+    differ from the codecs' only where two codes' distances tie within float32 rounding."""
     if not _built or k.device.type != "cpu" or encode_reason(fmt):
         return None
     k = k.float().contiguous()
@@ -296,7 +302,8 @@ def encode_states(fmt: PageFormat, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     gamma = getattr(fmt.value_codec, "gamma", 0.0)
     states = torch.empty(k.shape[0], fmt.H, fmt.state_bytes, dtype=torch.uint8)
     if not torch.ops.lowbit_kv.encode_states(k, v, desc.geometry, desc.key, desc.value,
-                                             fmt.one_bit, gamma, fft, states):
+                                             fmt.one_bit, gamma, fft, desc.codebooks,
+                                             states):
         require_fp16_range(k)  # an element the fp16 metadata cannot hold: the codecs' error
         require_fp16_range(v)
     return states

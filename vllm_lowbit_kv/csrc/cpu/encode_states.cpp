@@ -1,17 +1,19 @@
 // Encoding filled K/V groups into page states on the CPU: the codecs of
-// vllm_lowbit_kv/codecs/ (kivi.py, quant.py, vidkv.py; their docstrings carry the paper's
+// vllm_lowbit_kv/codecs/ (kivi.py, quant.py, vidkv.py, rvq.py; their docstrings carry the paper's
 // equations) in C++, for the serving path's writes (vllm_lowbit_kv/ops/cpu.py,
 // encode_states). In PyTorch each group costs dozens of small tensor operations, which made
 // encoding the largest part of our own prefill work; here one pass per (group, head).
 //
 // Codecs: KIVI per-channel keys and per-token / per-channel values (2, 4, 8 bits), VidKV keys
 // (range-selected 2-bit channels, 1-bit channels or unique-rfft components with any
-// one_bit mode) and ternary values, without STP (Python keeps the codecs for STP formats).
+// one_bit mode) and ternary values, without STP (Python keeps the codecs for STP formats);
+// RVQ keys and values (the greedy residual search, stage by stage over a group's rows).
 // Same arithmetic as the codecs, in float32: min/max, fp16 metadata rounded before the
 // codes are computed, round half to even. Bit-identical to them except where a sum's order
 // matters (means over tokens and the rfft, which is the fixed forward map here): there a
 // code may differ from the codecs' only within float32 rounding of its threshold, and an
-// fp16 level by one step (tests/test_cpu_kernel.py checks exactly that).
+// fp16 level by one step; an RVQ index only where two codes' distances tie within float32
+// rounding (tests/test_cpu_encoder.py checks exactly that).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,6 +24,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -108,6 +112,7 @@ struct Scratch {
   std::vector<float> x, y, lo, hi, work;
   std::vector<uint8_t> codes;
   std::vector<int8_t> trits;
+  std::vector<int32_t> indices;
 };
 
 // KIVI per channel (kivi.py, axis "channel"): x [T, D]; descriptor [kind, bits, codes,
@@ -307,6 +312,152 @@ void ternary_value(const float* x, int T, int D, const int64_t* d, float gamma, 
   }
 }
 
+// -- RVQ (rvq.py, seed 001) -------------------------------------------------------------
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+constexpr int kCodeVectors = 8;  // 128 codes' distances in registers per pass over r
+
+// One role's codebooks for the search: codes [K, C, d] (the layer's, as the kernel reads
+// them), the same transposed to [K, d, C] and ||c||^2 [K, C].
+struct RvqBooks {
+  int K = 0, C = 0, d = 0;
+  const float* codes = nullptr;
+  std::vector<float> columns, norms;
+  void prepare(const float* books, const int64_t* desc) {
+    K = static_cast<int>(desc[RV_K]);
+    C = static_cast<int>(desc[RV_C]);
+    d = static_cast<int>(desc[RV_GROUP]);
+    codes = books;
+    columns.resize(static_cast<size_t>(K) * d * C);
+    norms.assign(static_cast<size_t>(K) * C, 0.f);
+    for (int k = 0; k < K; ++k)
+      for (int c = 0; c < C; ++c)
+        for (int j = 0; j < d; ++j) {
+          const float v = books[(static_cast<size_t>(k) * C + c) * d + j];
+          columns[(static_cast<size_t>(k) * d + j) * C + c] = v;
+          norms[static_cast<size_t>(k) * C + c] += v * v;
+        }
+  }
+};
+
+// distances ||c||^2 - 2 r.c of NV * 16 codes from c0 (cols: [d, C]) for the R residual
+// rows r[R][d]; per row and lane, the smaller distance into best / code (a strict < keeps
+// the earlier code, as argmin). R rows share each load of the codes.
+template <int R, int NV>
+inline void search_codes(const float* const* r, int d, const float* cols, const float* norms,
+                         int C, int c0, vf* best, vi* code) {
+  vf acc[R][NV];
+  for (int v = 0; v < NV; ++v) {
+    vf n;
+    std::memcpy(&n, norms + c0 + v * kLanes, sizeof(vf));
+    for (int i = 0; i < R; ++i) acc[i][v] = n;
+  }
+  for (int j = 0; j < d; ++j) {
+    const float* row = cols + static_cast<size_t>(j) * C + c0;
+    float w[R];
+    for (int i = 0; i < R; ++i) w[i] = -2.f * r[i][j];
+    for (int v = 0; v < NV; ++v) {
+      vf c;
+      std::memcpy(&c, row + v * kLanes, sizeof(vf));
+      for (int i = 0; i < R; ++i) acc[i][v] += w[i] * c;
+    }
+  }
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < NV; ++v) {
+      const vi closer = acc[i][v] < best[i];
+      best[i] = closer ? acc[i][v] : best[i];
+      code[i] = closer ? lane + (c0 + v * kLanes) : code[i];
+    }
+}
+
+// rvq.nearest for R residual rows: out[i] = the index of stage k's code nearest to r[i]
+// (C a multiple of 16), the lowest index among equal distances
+template <int R>
+void nearest_codes(const float* const* r, const RvqBooks& b, int k, int32_t* out) {
+  const float* cols = b.columns.data() + static_cast<size_t>(k) * b.d * b.C;
+  const float* norms = b.norms.data() + static_cast<size_t>(k) * b.C;
+  vf best[R];
+  vi code[R];
+  for (int i = 0; i < R; ++i)
+    for (int l = 0; l < kLanes; ++l) {
+      best[i][l] = std::numeric_limits<float>::infinity();
+      code[i][l] = l;
+    }
+  int c0 = 0;
+  for (; c0 + kCodeVectors * kLanes <= b.C; c0 += kCodeVectors * kLanes)
+    search_codes<R, kCodeVectors>(r, b.d, cols, norms, b.C, c0, best, code);
+  for (; c0 < b.C; c0 += kLanes) search_codes<R, 1>(r, b.d, cols, norms, b.C, c0, best, code);
+  for (int i = 0; i < R; ++i) {
+    int32_t c = code[i][0];
+    float dist = best[i][0];
+    for (int l = 1; l < kLanes; ++l)
+      if (best[i][l] < dist || (best[i][l] == dist && code[i][l] < c)) {
+        dist = best[i][l];
+        c = code[i][l];
+      }
+    out[i] = c;
+  }
+}
+
+// codes [n] of `bits` bits (any width up to 16) -> a little-end-first bit stream
+void pack_wide_codes(const int32_t* codes, int64_t n, int bits, uint8_t* field) {
+  uint64_t acc = 0;
+  int filled = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    acc |= static_cast<uint64_t>(codes[i]) << filled;
+    for (filled += bits; filled >= 8; filled -= 8, acc >>= 8) *field++ = acc & 0xFF;
+  }
+  if (filled) *field = acc & 0xFF;
+}
+
+// RVQ of x [T, D] (rvq.RVQCodec.encode_groups): per token the fp16 population std (1 where
+// 0) divides the vector, whose channel groups (strided: channel j * n + g of group g) are
+// coded by Algorithm 1, K greedy stages of nearest codes; indices [T, n, K] packed. Stage
+// by stage over all T * n rows, so that one stage's codes stay in cache.
+void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, uint8_t* out,
+         Scratch& s) {
+  const int d = b.d, n = D / d, K = b.K, rows = T * n;
+  const bool strided = desc[RV_STRIDED] != 0;
+  s.y.resize(static_cast<size_t>(rows) * d);  // residuals, row t * n + g
+  s.lo.resize(T);                              // fp16 stds
+  s.indices.resize(static_cast<size_t>(rows) * K);
+  for (int t = 0; t < T; ++t) {
+    const float* row = x + static_cast<size_t>(t) * D;
+    double mean = 0, var = 0;
+    for (int c = 0; c < D; ++c) mean += row[c];
+    mean /= D;
+    for (int c = 0; c < D; ++c) var += (row[c] - mean) * (row[c] - mean);
+    s.lo[t] = to_half(static_cast<float>(std::sqrt(var / D)));
+    const float scale = s.lo[t] > 0.f ? s.lo[t] : 1.f;
+    for (int g = 0; g < n; ++g)
+      for (int j = 0; j < d; ++j)
+        s.y[(static_cast<size_t>(t) * n + g) * d + j] = row[strided ? j * n + g : g * d + j] / scale;
+  }
+  int32_t* idx = s.indices.data();
+  constexpr int kRows = 2;
+  for (int k = 0; k < K; ++k) {
+    int i = 0;
+    for (; i < rows; i += kRows) {
+      const int m = std::min(kRows, rows - i);
+      const float* r[kRows];
+      for (int a = 0; a < kRows; ++a) r[a] = s.y.data() + static_cast<size_t>(i + (a < m ? a : 0)) * d;
+      int32_t found[kRows];
+      nearest_codes<kRows>(r, b, k, found);
+      for (int a = 0; a < m; ++a) {
+        idx[static_cast<size_t>(i + a) * K + k] = found[a];
+        const float* c = b.codes + (static_cast<size_t>(k) * b.C + found[a]) * d;
+        float* res = s.y.data() + static_cast<size_t>(i + a) * d;
+        for (int j = 0; j < d; ++j) res[j] -= c[j];
+      }
+    }
+  }
+  pack_wide_codes(idx, static_cast<int64_t>(rows) * K, static_cast<int>(desc[RV_BITS]),
+                  out + desc[RV_CODES]);
+  put_halves(out + desc[RV_STD], s.lo.data(), T);
+}
+
 // copy group rows [T, D] (row stride ld) into x; false when an element is NaN, Inf or
 // above the fp16 range (base.require_fp16_range)
 bool load_group(const float* src, int T, int D, int64_t ld, std::vector<float>& x) {
@@ -324,11 +475,13 @@ bool load_group(const float* src, int T, int D, int64_t ld, std::vector<float>& 
 }  // namespace
 
 // K, V [E, T, H, D] float32 -> states [E, H, state_bytes] (zeroed first: padding stays 0).
+// codebooks: the layer's RVQ codebooks, keys' then values' (empty without RVQ).
 // Returns false, with the states unspecified, when an element is NaN, Inf or above 65504.
 bool encode_states(const at::Tensor& key, const at::Tensor& value,
                    const std::vector<int64_t>& geometry, const std::vector<int64_t>& key_desc,
                    const std::vector<int64_t>& value_desc, int64_t one_bit_mode, double gamma,
-                   const at::Tensor& fft_forward, const at::Tensor& states) {
+                   const at::Tensor& fft_forward, const at::Tensor& codebooks,
+                   const at::Tensor& states) {
   TORCH_CHECK(geometry.size() == G_COUNT, "geometry: ", G_COUNT, " integers");
   const int64_t T = geometry[G_T], D = geometry[G_D], H = geometry[G_H];
   const int64_t state_bytes = geometry[G_STATE_BYTES], k_bytes = geometry[G_K_BYTES];
@@ -341,18 +494,36 @@ bool encode_states(const at::Tensor& key, const at::Tensor& value,
   TORCH_CHECK(states.scalar_type() == at::kByte && states.is_contiguous() && states.dim() == 3 &&
                   states.size(0) == E && states.size(1) == H && states.size(2) == state_bytes,
               "states: uint8 contiguous [E, H, state_bytes]");
-  const bool vidkv = key_desc.at(0) == KEY_VIDKV;
-  TORCH_CHECK(key_desc[0] == KEY_KIVI_CHANNEL || (vidkv && key_desc.at(VK_NP) == 0),
-              "keys: KIVI per channel or VidKV without STP");
-  const int64_t vkind = value_desc.at(0);
-  TORCH_CHECK(vkind == VAL_KIVI_TOKEN || vkind == VAL_KIVI_CHANNEL ||
+  const int64_t kkind = key_desc.at(0), vkind = value_desc.at(0);
+  TORCH_CHECK(kkind == KEY_KIVI_CHANNEL || kkind == KEY_RVQ ||
+                  (kkind == KEY_VIDKV && key_desc.at(VK_NP) == 0),
+              "keys: KIVI per channel, RVQ or VidKV without STP");
+  TORCH_CHECK(vkind == VAL_KIVI_TOKEN || vkind == VAL_KIVI_CHANNEL || vkind == VAL_RVQ ||
                   (vkind == VAL_TERNARY && value_desc.at(TV_NP) == 0),
-              "values: KIVI or ternary without STP");
+              "values: KIVI, RVQ or ternary without STP");
   const bool fft = fft_forward.numel() > 0;
-  if (vidkv && fft)
+  if (kkind == KEY_VIDKV && fft)
     TORCH_CHECK(fft_forward.scalar_type() == at::kFloat && fft_forward.is_contiguous() &&
                     fft_forward.numel() == key_desc[VK_N1] * key_desc[VK_N1],
                 "fft_forward: float32 [n1, n1]");
+  // the RVQ roles' codebooks, prepared once per call for the search
+  RvqBooks key_books, value_books;
+  int64_t book_floats = 0;
+  for (const auto* desc : {&key_desc, &value_desc})
+    if ((*desc)[0] == (desc == &key_desc ? KEY_RVQ : VAL_RVQ)) {
+      TORCH_CHECK((*desc).at(RV_C) % kLanes == 0 && D % (*desc)[RV_GROUP] == 0,
+                  "RVQ: codebook size a multiple of 16, group size a divisor of D");
+      book_floats += (*desc)[RV_K] * (*desc)[RV_C] * (*desc)[RV_GROUP];
+    }
+  TORCH_CHECK(codebooks.scalar_type() == at::kFloat && codebooks.is_contiguous() &&
+                  codebooks.numel() == book_floats,
+              "codebooks: float32, the RVQ roles' [K, C, d] (keys' first)");
+  const float* books = codebooks.data_ptr<float>();
+  if (kkind == KEY_RVQ) {
+    key_books.prepare(books, key_desc.data());
+    books += key_desc[RV_K] * key_desc[RV_C] * key_desc[RV_GROUP];
+  }
+  if (vkind == VAL_RVQ) value_books.prepare(books, value_desc.data());
   const float* F = fft ? fft_forward.data_ptr<float>() : nullptr;
   const float* K = key.data_ptr<float>();
   const float* V = value.data_ptr<float>();
@@ -367,9 +538,11 @@ bool encode_states(const at::Tensor& key, const at::Tensor& value,
       const int64_t at = (i / H * T * H + i % H) * D;  // token 0 of head i % H, group i / H
       uint8_t* out = S + i * state_bytes;
       bool ok = load_group(K + at, tokens, dim, H * D, x);
-      if (vidkv)
+      if (kkind == KEY_VIDKV)
         vidkv_key(x.data(), tokens, dim, key_desc.data(), static_cast<int>(one_bit_mode), F, out,
                   s);
+      else if (kkind == KEY_RVQ)
+        rvq(x.data(), tokens, dim, key_desc.data(), key_books, out, s);
       else
         kivi_channels(x.data(), tokens, dim, key_desc.data(), out, s);
       ok &= load_group(V + at, tokens, dim, H * D, x);
@@ -378,6 +551,8 @@ bool encode_states(const at::Tensor& key, const at::Tensor& value,
         kivi_tokens(x.data(), tokens, dim, value_desc.data(), vout, s);
       else if (vkind == VAL_KIVI_CHANNEL)
         kivi_channels(x.data(), tokens, dim, value_desc.data(), vout, s);
+      else if (vkind == VAL_RVQ)
+        rvq(x.data(), tokens, dim, value_desc.data(), value_books, vout, s);
       else
         ternary_value(x.data(), tokens, dim, value_desc.data(), static_cast<float>(gamma), vout,
                       s);
@@ -390,7 +565,8 @@ bool encode_states(const at::Tensor& key, const at::Tensor& value,
 TORCH_LIBRARY_FRAGMENT(lowbit_kv, m) {
   m.def(
       "encode_states(Tensor key, Tensor value, int[] geometry, int[] key_desc, int[] value_desc, "
-      "int one_bit_mode, float gamma, Tensor fft_forward, Tensor(a!) states) -> bool");
+      "int one_bit_mode, float gamma, Tensor fft_forward, Tensor codebooks, Tensor(a!) states) "
+      "-> bool");
 }
 
 TORCH_LIBRARY_IMPL(lowbit_kv, CPU, m) { m.impl("encode_states", &encode_states); }
