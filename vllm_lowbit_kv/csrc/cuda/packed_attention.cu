@@ -576,28 +576,21 @@ __device__ __forceinline__ void packed_attention_body(const LowbitAttentionArgs&
         float x[GP];
 #pragma unroll
         for (int g = 0; g < GP; ++g) x[g] = 0.f;
-        if (nib < nib2) {
+        // nibble nib: 2 two-bit codes (coefficient rows from 2 * nib) or, past the 2-bit
+        // fields, 4 one-bit codes (rows from n2 + 4 * (nib - nib2))
+        const bool two = nib < nib2;
+        const int bits = two ? 2 : 1, per = 4 / bits;
+        const int first = two ? 2 * nib : f.n2 + 4 * (nib - nib2);
+        const int end = two ? n_2bit : f.n2 + f.n1;
 #pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const int idx = 2 * nib + k;
-            if (idx < n_2bit) {
-              const float code = u2f((v >> (2 * k)) & 3u);
-              float c[GP];
-              load_row<GP>(s_coef + idx * RS, c);
+        for (int k = 0; k < 4; ++k) {
+          const int idx = first + k;
+          if (k < per && idx < end) {
+            const float code = u2f((v >> (bits * k)) & ((1u << bits) - 1u));
+            float c[GP];
+            load_row<GP>(s_coef + idx * RS, c);
 #pragma unroll
-              for (int g = 0; g < GP; ++g) x[g] = fmaf(code, c[g], x[g]);
-            }
-          }
-        } else {
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const int idx = 4 * (nib - nib2) + k;
-            if (idx < f.n1 && ((v >> k) & 1u)) {
-              float c[GP];
-              load_row<GP>(s_coef + (f.n2 + idx) * RS, c);
-#pragma unroll
-              for (int g = 0; g < GP; ++g) x[g] += c[g];
-            }
+            for (int g = 0; g < GP; ++g) x[g] = fmaf(code, c[g], x[g]);
           }
         }
         store_row<GP>(s_tab + rw * RS, x);
