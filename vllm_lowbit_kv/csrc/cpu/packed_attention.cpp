@@ -778,16 +778,23 @@ void rvq_decode(const uint8_t* st, const std::vector<int64_t>& d, const float* b
   }
 }
 
+// RVQ key group -> its channels xt[c * TP + t] = k_t[c] (tail tokens 0)
+void rvq_key_columns(const Format& f, const uint8_t* st, float* xt, Scratch& s) {
+  const int T = f.T, D = f.D, TP = f.TP;
+  float* x = s.x.data();
+  rvq_decode(st, f.key, f.key_books, T, D, x, s.meta.data());
+  std::fill(xt, xt + size_t(D) * TP, 0.f);
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < D; ++c) xt[size_t(c) * TP + t] = x[int64_t(t) * D + c];
+}
+
 void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float* sc, Scratch& s) {
   const int T = f.T, D = f.D, TP = f.TP;
   const auto& d = f.key;
   if (d[0] == KEY_RVQ) {  // dense rows of one group, transposed: scores vectorized over tokens
-    float* x = s.x.data();
-    rvq_decode(st, d, f.key_books, T, D, x, s.meta.data());
-    std::vector<float>& xt = s.extra;  // [D][TP], tail tokens 0
-    xt.assign(size_t(D) * TP, 0.f);
-    for (int t = 0; t < T; ++t)
-      for (int c = 0; c < D; ++c) xt[size_t(c) * TP + t] = x[int64_t(t) * D + c];
+    std::vector<float>& xt = s.extra;
+    xt.resize(size_t(D) * TP);
+    rvq_key_columns(f, st, xt.data(), s);
     for (int m = 0; m < M; ++m) {
       float* row = sc + m * TP;
       const float* qm = q + m * D;
@@ -1079,17 +1086,26 @@ struct Work {
 // (tokens in [T, TP) finite junk). The codecs are linear in what the kernel folds into
 // them, so the folded paths decode too: the scores of the unit vectors e_c are the key
 // channels, the value sums of one-hot probabilities the value rows. One definition of
-// every page format's arithmetic, the one the decode items use.
+// every page format's arithmetic, the one the decode items use. RVQ's folded paths decode
+// the rows first, so its tiles are those rows (the basis would only multiply them by 1).
 void decode_tiles(const Format& f, const uint8_t* st, Work& wk) {
   const int D = f.D, T = f.T, TP = f.TP;
   float* e = wk.basis;
-  std::fill(e, e + size_t(D) * D, 0.f);
-  for (int c = 0; c < D; ++c) e[c * D + c] = 1.f;
-  key_scores(f, st, e, D, wk.kt, wk.s);
-  std::fill(e, e + size_t(T) * TP, 0.f);
-  for (int t = 0; t < T; ++t) e[t * TP + t] = 1.f;
+  if (f.key[0] == KEY_RVQ) {
+    rvq_key_columns(f, st, wk.kt, wk.s);
+  } else {
+    std::fill(e, e + size_t(D) * D, 0.f);
+    for (int c = 0; c < D; ++c) e[c * D + c] = 1.f;
+    key_scores(f, st, e, D, wk.kt, wk.s);
+  }
   std::fill(wk.vrows, wk.vrows + size_t(TP) * D, 0.f);
-  accumulate_values(f, st + f.k_bytes, e, T, wk.vrows, wk.s);
+  if (f.val[0] == VAL_RVQ) {
+    rvq_decode(st + f.k_bytes, f.val, f.val_books, T, D, wk.vrows, wk.s.meta.data());
+  } else {
+    std::fill(e, e + size_t(T) * TP, 0.f);
+    for (int t = 0; t < T; ++t) e[t * TP + t] = 1.f;
+    accumulate_values(f, st + f.k_bytes, e, T, wk.vrows, wk.s);
+  }
 }
 
 // Online softmax over the item's groups. Leaves acc (unnormalized), mrun (running max)
