@@ -431,18 +431,17 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
     for (int c = 0; c < D; ++c) var += (row[c] - mean) * (row[c] - mean);
     s.lo[t] = to_half(static_cast<float>(std::sqrt(var / D)));
     const float scale = s.lo[t] > 0.f ? s.lo[t] : 1.f;
+    float* z = s.y.data() + static_cast<size_t>(t) * n * d;
     for (int g = 0; g < n; ++g)
-      for (int j = 0; j < d; ++j)
-        s.y[(static_cast<size_t>(t) * n + g) * d + j] = row[strided ? j * n + g : g * d + j] / scale;
+      for (int j = 0; j < d; ++j) z[g * d + j] = row[strided ? j * n + g : g * d + j] / scale;
   }
   int32_t* idx = s.indices.data();
   constexpr int kRows = 2;
   for (int k = 0; k < K; ++k) {
-    int i = 0;
-    for (; i < rows; i += kRows) {
+    for (int i = 0; i < rows; i += kRows) {
       const int m = std::min(kRows, rows - i);
-      const float* r[kRows];
-      for (int a = 0; a < kRows; ++a) r[a] = s.y.data() + static_cast<size_t>(i + (a < m ? a : 0)) * d;
+      const float* r[kRows];  // a last odd row is searched twice, its result kept once
+      for (int a = 0; a < kRows; ++a) r[a] = s.y.data() + static_cast<size_t>(i + a % m) * d;
       int32_t found[kRows];
       nearest_codes<kRows>(r, b, k, found);
       for (int a = 0; a < m; ++a) {
