@@ -243,6 +243,19 @@ want_out, want_lse = dense_reference(q.bfloat16(), q[:, :2].bfloat16(), q[:, 2:]
                                      0.1, 0)
 torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
 torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=0)
+# the encoder in this build (RVQ: the float32 search where it lacks AVX-512 BF16)
+import os, tempfile
+from test_cpu_encoder import FORMATS as ENCODED, check_store, kv
+from vllm_lowbit_kv.codecs.base import ModelIdentity
+from vllm_lowbit_kv.codecs.rvq import RVQCodebooks, RVQSettings
+g = torch.Generator().manual_seed(0)
+books = RVQCodebooks(*(torch.randn(1, 4, 256, 32, generator=g) * 0.3 for _ in range(2)),
+                     ModelIdentity("test", 1, 2, 64), RVQSettings(4, 256, 32, "strided",
+                                                                  "contiguous"), {})
+path = str(books.save(os.path.join(tempfile.mkdtemp(), "books.safetensors")))
+for i, (scheme, params) in enumerate(ENCODED + [("rvq4x256", {"codebook": path})]):
+    layout = layout_for(scheme, params, H=2, T=32, block_size=64)
+    check_store(layout, *kv(3, 32, 2, 64, torch.float32, seed=i))
 print("ok")
 """
 
@@ -272,7 +285,8 @@ def _check_build(tmp_path, march):
 def test_portable_build_without_avx512(tmp_path):
     """The kernel built for AVX2 only (no AVX-512: the scalar trit table, generic int8 and
     code conversions, repacked code rows read column by column, narrower vectors) matches
-    the reference too (FORMATS and CODE_PATHS)."""
+    the reference too (FORMATS and CODE_PATHS), and so does the encoder (RVQ's float32
+    search)."""
     import os
 
     if os.uname().machine != "x86_64":

@@ -158,12 +158,31 @@ class Descriptors:
     value: list[int]
     fft_map: torch.Tensor  # float32 [n1, n1] (A transposed, A: components -> channels), or empty
     codebooks: torch.Tensor  # float32: RVQ keys' codebooks then values' (the layer's), or empty
+    search: torch.Tensor  # float32: the encoder's tables of those codebooks (_search_tables)
+    search_pairs: torch.Tensor  # int32: their bf16 pairs (_search_tables)
 
 
 def _rvq(kind: int, codec, offset) -> list[int]:
     """RVQ descriptor: kind, K, C, index bits, d^, strided, codes, std (enum Rvq)."""
     return [kind, codec.num_codebooks, codec.codebook_size, codec.index_bits, codec.group_size,
             int(codec.grouping == "strided"), offset("codes"), offset("std")]
+
+
+def _search_tables(codec) -> tuple[torch.Tensor, torch.Tensor]:
+    """An RVQ codec's codebooks [K, C, d] as the encoder's search reads them
+    (csrc/cpu/encode_states.cpp, RvqBooks): float32 codes transposed [K, d, C], ||c||^2
+    [K, C] (as the codec computes them), each stage's largest ||c|| [K]; and, where d is
+    a multiple of 16 up to 128, the words of bf16 pairs [K, d / 2, C]: (c_2j, c_2j+1),
+    rounded to nearest even, low half first (else none)."""
+    books = codec.codewords
+    norms = (books * books).sum(-1)
+    cols = books.transpose(1, 2).contiguous()
+    floats = torch.cat([cols.reshape(-1), norms.reshape(-1), norms.sqrt().amax(1)])
+    d = codec.group_size
+    if d % LANES or d > 128:
+        return floats, torch.empty(0, dtype=torch.int32)
+    half = cols.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return floats, (half[:, 0::2] | (half[:, 1::2] << 16)).reshape(-1)
 
 
 def _descriptors(fmt: PageFormat) -> Descriptors:
@@ -194,7 +213,12 @@ def _descriptors(fmt: PageFormat) -> Descriptors:
     geometry = [fmt.T, fmt.D, fmt.H, fmt.groups_per_block, fmt.sink_bytes, fmt.state_bytes,
                 fmt.k_bytes]
     codebooks = torch.cat(books).float().contiguous() if books else torch.empty(0)
-    return Descriptors(geometry, key, value, fft, codebooks)
+    tables = [_search_tables(c) for c, rvq in ((fmt.key_codec, fmt.key_kind == KEY_RVQ),
+                                               (fmt.value_codec, fmt.val_kind == VAL_RVQ))
+              if rvq]
+    search = torch.cat([t[0] for t in tables]) if tables else torch.empty(0)
+    pairs = torch.cat([t[1] for t in tables]) if tables else torch.empty(0, dtype=torch.int32)
+    return Descriptors(geometry, key, value, fft, codebooks, search, pairs)
 
 
 _descriptor_cache: "weakref.WeakKeyDictionary[PageFormat, Descriptors]" = \
@@ -289,8 +313,10 @@ def encode_states(fmt: PageFormat, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     threshold and fp16 levels within one step, where the codecs' sums over tokens or their
     FFT round otherwise). None where it does not run: another device, a format it does not
     write (:func:`encode_reason`: STP needs the relevance), or the library not loaded (this
-    never builds it). RVQ: the same greedy search (Algorithm 1) in float32, so an index may
-    differ from the codecs' only where two codes' distances tie within float32 rounding."""
+    never builds it). RVQ: the same greedy search (Algorithm 1), its float32 nearest code
+    (with AVX-512 BF16 found by a bf16 first pass and float32 distances of the codes within
+    its error bound), so an index may differ from the codecs' only where two codes'
+    distances tie within float32 rounding."""
     if not _built or k.device.type != "cpu" or encode_reason(fmt):
         return None
     k = k.float().contiguous()
@@ -303,7 +329,7 @@ def encode_states(fmt: PageFormat, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     states = torch.empty(k.shape[0], fmt.H, fmt.state_bytes, dtype=torch.uint8)
     if not torch.ops.lowbit_kv.encode_states(k, v, desc.geometry, desc.key, desc.value,
                                              fmt.one_bit, gamma, fft, desc.codebooks,
-                                             states):
+                                             desc.search, desc.search_pairs, states):
         require_fp16_range(k)  # an element the fp16 metadata cannot hold: the codecs' error
         require_fp16_range(v)
     return states

@@ -31,6 +31,10 @@
 
 #include "descriptors.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace lowbit_kv {
 namespace {
 
@@ -317,27 +321,42 @@ typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
 constexpr int kCodeVectors = 8;  // 128 codes' distances in registers per pass over r
+constexpr int kSearchRows = 2;   // residual rows searched together (sharing code loads)
+constexpr int kMaxPairGroup = 128;  // widest channel group of the bf16 pass
 
-// One role's codebooks for the search: codes [K, C, d] (the layer's, as the kernel reads
-// them), the same transposed to [K, d, C] and ||c||^2 [K, C].
+// One role's codebooks as the search reads them, prepared once per page format in Python
+// (vllm_lowbit_kv/ops/cpu.py, _search_tables): codes [K, C, d] (the layer's, as the
+// kernel reads them), the same transposed to [K, d, C], ||c||^2 [K, C], each stage's
+// largest ||c|| [K] and, where d is a multiple of 16 up to kMaxPairGroup, the bf16 pairs
+// [K, d / 2, C] ((c_2j, c_2j+1) of code c in a word) of the first pass.
 struct RvqBooks {
   int K = 0, C = 0, d = 0;
-  const float* codes = nullptr;
-  std::vector<float> columns, norms;
-  void prepare(const float* books, const int64_t* desc) {
+  const float *codes = nullptr, *columns = nullptr, *norms = nullptr, *max_norm = nullptr;
+  const uint32_t* pairs = nullptr;
+  static bool has_pairs(int64_t d) { return d % kLanes == 0 && d <= kMaxPairGroup; }
+  static int64_t search_floats(const std::vector<int64_t>& desc) {
+    return desc[RV_K] * desc[RV_C] * (desc[RV_GROUP] + 1) + desc[RV_K];
+  }
+  static int64_t pair_words(const std::vector<int64_t>& desc) {
+    return has_pairs(desc[RV_GROUP]) ? desc[RV_K] * desc[RV_C] * desc[RV_GROUP] / 2 : 0;
+  }
+  // points into the call's tensors and advances past this role's part
+  void take(const std::vector<int64_t>& desc, const float*& books, const float*& search,
+            const uint32_t*& pair_words_at) {
     K = static_cast<int>(desc[RV_K]);
     C = static_cast<int>(desc[RV_C]);
     d = static_cast<int>(desc[RV_GROUP]);
+    const size_t kc = static_cast<size_t>(K) * C;
     codes = books;
-    columns.resize(static_cast<size_t>(K) * d * C);
-    norms.assign(static_cast<size_t>(K) * C, 0.f);
-    for (int k = 0; k < K; ++k)
-      for (int c = 0; c < C; ++c)
-        for (int j = 0; j < d; ++j) {
-          const float v = books[(static_cast<size_t>(k) * C + c) * d + j];
-          columns[(static_cast<size_t>(k) * d + j) * C + c] = v;
-          norms[static_cast<size_t>(k) * C + c] += v * v;
-        }
+    books += kc * d;
+    columns = search;
+    norms = columns + kc * d;
+    max_norm = norms + kc;
+    search = max_norm + K;
+#if defined(__AVX512BF16__)
+    if (has_pairs(d)) pairs = pair_words_at;
+#endif
+    pair_words_at += pair_words(desc);
   }
 };
 
@@ -376,8 +395,8 @@ inline void search_codes(const float* const* r, int d, const float* cols, const 
 // (C a multiple of 16), the lowest index among equal distances
 template <int R>
 void nearest_codes(const float* const* r, const RvqBooks& b, int k, int32_t* out) {
-  const float* cols = b.columns.data() + static_cast<size_t>(k) * b.d * b.C;
-  const float* norms = b.norms.data() + static_cast<size_t>(k) * b.C;
+  const float* cols = b.columns + static_cast<size_t>(k) * b.d * b.C;
+  const float* norms = b.norms + static_cast<size_t>(k) * b.C;
   vf best[R];
   vi code[R];
   for (int i = 0; i < R; ++i)
@@ -401,6 +420,93 @@ void nearest_codes(const float* const* r, const RvqBooks& b, int k, int32_t* out
   }
 }
 
+#if defined(__AVX512BF16__)
+// float -> bf16 bits, round to nearest even (finite x)
+inline uint32_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+// approx[i * C + c] = ||c||^2 - 2 r_i.c in bf16 products (float32 sums) of NV * 16 codes
+// from c0; w: bf16 pairs of -2 r_i, [R][d / 2]
+template <int R, int NV>
+inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
+                             const float* norms, int C, int c0, float* approx) {
+  __m512 acc[R][NV];
+  for (int v = 0; v < NV; ++v) {
+    const __m512 n = _mm512_loadu_ps(norms + c0 + v * kLanes);
+    for (int i = 0; i < R; ++i) acc[i][v] = n;
+  }
+  for (int j = 0; j < half; ++j) {
+    const uint32_t* row = pairs + static_cast<size_t>(j) * C + c0;
+    __m512bh wj[R];
+    for (int i = 0; i < R; ++i)
+      wj[i] = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(w[i * half + j])));
+    for (int v = 0; v < NV; ++v) {
+      const __m512bh c = reinterpret_cast<__m512bh>(_mm512_loadu_si512(row + v * kLanes));
+      for (int i = 0; i < R; ++i) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], wj[i], c);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(approx + i * C + c0 + v * kLanes, acc[i][v]);
+}
+
+// nearest_codes in two passes: every distance in bf16 products (vdpbf16ps, twice
+// float32's multiply-add rate), then in float32 only the codes within twice the bf16
+// pass's error bound of its minimum, which always holds the float32 nearest: bf16
+// rounding of -2 r and c moves a product by at most (2u + u^2) |2 r_j c_j| (u = 2^-8),
+// so the pass is off by at most 0.0158 ||r|| max||c|| plus its float32 sums' rounding.
+// approx: scratch of R * C floats. d a multiple of 16, at most kMaxPairGroup.
+template <int R>
+void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t* out,
+                        float* approx) {
+  const int d = b.d, C = b.C, half = d / 2;
+  const uint32_t* pairs = b.pairs + static_cast<size_t>(k) * half * C;
+  const float* norms = b.norms + static_cast<size_t>(k) * C;
+  const float* codes = b.codes + static_cast<size_t>(k) * C * d;
+  uint32_t w[R * kMaxPairGroup / 2];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < half; ++j)
+      w[i * half + j] = bf16_bits(-2.f * r[i][2 * j]) | bf16_bits(-2.f * r[i][2 * j + 1]) << 16;
+  int c0 = 0;
+  for (; c0 + kCodeVectors * kLanes <= C; c0 += kCodeVectors * kLanes)
+    approx_distances<R, kCodeVectors>(w, half, pairs, norms, C, c0, approx);
+  for (; c0 < C; c0 += kLanes) approx_distances<R, 1>(w, half, pairs, norms, C, c0, approx);
+  const float cmax = b.max_norm[k];
+  for (int i = 0; i < R; ++i) {
+    const float* a = approx + i * C;
+    __m512 lo = _mm512_loadu_ps(a);
+    for (int c = kLanes; c < C; c += kLanes) lo = _mm512_min_ps(lo, _mm512_loadu_ps(a + c));
+    __m512 rr = _mm512_setzero_ps();
+    for (int j = 0; j < d; j += kLanes) {
+      const __m512 x = _mm512_loadu_ps(r[i] + j);
+      rr = _mm512_fmadd_ps(x, x, rr);
+    }
+    const float err = 0.0158f * std::sqrt(_mm512_reduce_add_ps(rr)) * cmax +
+                      2e-6f * cmax * cmax + 1e-30f;
+    const __m512 limit = _mm512_set1_ps(_mm512_reduce_min_ps(lo) + 2.f * err);
+    float best = std::numeric_limits<float>::infinity();
+    int32_t found = 0;
+    for (int c1 = 0; c1 < C; c1 += kLanes)
+      for (__mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + c1), limit, _CMP_LE_OQ); m;
+           m &= m - 1) {
+        const int c = c1 + __builtin_ctz(m);
+        const float* code = codes + static_cast<size_t>(c) * d;
+        __m512 dot = _mm512_setzero_ps();
+        for (int j = 0; j < d; j += kLanes)
+          dot = _mm512_fmadd_ps(_mm512_loadu_ps(r[i] + j), _mm512_loadu_ps(code + j), dot);
+        const float dist = norms[c] - 2.f * _mm512_reduce_add_ps(dot);
+        if (dist < best) {  // ascending codes: the lowest index among equal distances
+          best = dist;
+          found = c;
+        }
+      }
+    out[i] = found;
+  }
+}
+#endif
+
 // codes [n] of `bits` bits (any width up to 16) -> a little-end-first bit stream
 void pack_wide_codes(const int32_t* codes, int64_t n, int bits, uint8_t* field) {
   uint64_t acc = 0;
@@ -423,6 +529,7 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
   s.y.resize(static_cast<size_t>(rows) * d);  // residuals, row t * n + g
   s.lo.resize(T);                              // fp16 stds
   s.indices.resize(static_cast<size_t>(rows) * K);
+  s.work.resize(static_cast<size_t>(kSearchRows) * b.C);  // the bf16 pass's distances
   for (int t = 0; t < T; ++t) {
     const float* row = x + static_cast<size_t>(t) * D;
     double mean = 0, var = 0;
@@ -436,14 +543,18 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
       for (int j = 0; j < d; ++j) z[g * d + j] = row[strided ? j * n + g : g * d + j] / scale;
   }
   int32_t* idx = s.indices.data();
-  constexpr int kRows = 2;
   for (int k = 0; k < K; ++k) {
-    for (int i = 0; i < rows; i += kRows) {
-      const int m = std::min(kRows, rows - i);
-      const float* r[kRows];  // a last odd row is searched twice, its result kept once
-      for (int a = 0; a < kRows; ++a) r[a] = s.y.data() + static_cast<size_t>(i + a % m) * d;
-      int32_t found[kRows];
-      nearest_codes<kRows>(r, b, k, found);
+    for (int i = 0; i < rows; i += kSearchRows) {
+      const int m = std::min(kSearchRows, rows - i);
+      const float* r[kSearchRows];  // a last odd row is searched twice, its result kept once
+      for (int a = 0; a < kSearchRows; ++a) r[a] = s.y.data() + static_cast<size_t>(i + a % m) * d;
+      int32_t found[kSearchRows];
+#if defined(__AVX512BF16__)
+      if (b.pairs)
+        nearest_codes_bf16<kSearchRows>(r, b, k, found, s.work.data());
+      else
+#endif
+        nearest_codes<kSearchRows>(r, b, k, found);
       for (int a = 0; a < m; ++a) {
         idx[static_cast<size_t>(i + a) * K + k] = found[a];
         const float* c = b.codes + (static_cast<size_t>(k) * b.C + found[a]) * d;
@@ -474,12 +585,14 @@ bool load_group(const float* src, int T, int D, int64_t ld, std::vector<float>& 
 }  // namespace
 
 // K, V [E, T, H, D] float32 -> states [E, H, state_bytes] (zeroed first: padding stays 0).
-// codebooks: the layer's RVQ codebooks, keys' then values' (empty without RVQ).
+// codebooks: the layer's RVQ codebooks, keys' then values' (empty without RVQ); search,
+// search_pairs: their tables for the search (RvqBooks).
 // Returns false, with the states unspecified, when an element is NaN, Inf or above 65504.
 bool encode_states(const at::Tensor& key, const at::Tensor& value,
                    const std::vector<int64_t>& geometry, const std::vector<int64_t>& key_desc,
                    const std::vector<int64_t>& value_desc, int64_t one_bit_mode, double gamma,
                    const at::Tensor& fft_forward, const at::Tensor& codebooks,
+                   const at::Tensor& search, const at::Tensor& search_pairs,
                    const at::Tensor& states) {
   TORCH_CHECK(geometry.size() == G_COUNT, "geometry: ", G_COUNT, " integers");
   const int64_t T = geometry[G_T], D = geometry[G_D], H = geometry[G_H];
@@ -505,24 +618,28 @@ bool encode_states(const at::Tensor& key, const at::Tensor& value,
     TORCH_CHECK(fft_forward.scalar_type() == at::kFloat && fft_forward.is_contiguous() &&
                     fft_forward.numel() == key_desc[VK_N1] * key_desc[VK_N1],
                 "fft_forward: float32 [n1, n1]");
-  // the RVQ roles' codebooks, prepared once per call for the search
+  // the RVQ roles' codebooks and search tables (keys' first)
   RvqBooks key_books, value_books;
-  int64_t book_floats = 0;
+  int64_t book_floats = 0, search_floats = 0, pair_words = 0;
   for (const auto* desc : {&key_desc, &value_desc})
     if ((*desc)[0] == (desc == &key_desc ? KEY_RVQ : VAL_RVQ)) {
       TORCH_CHECK((*desc).at(RV_C) % kLanes == 0 && D % (*desc)[RV_GROUP] == 0,
                   "RVQ: codebook size a multiple of 16, group size a divisor of D");
       book_floats += (*desc)[RV_K] * (*desc)[RV_C] * (*desc)[RV_GROUP];
+      search_floats += RvqBooks::search_floats(*desc);
+      pair_words += RvqBooks::pair_words(*desc);
     }
   TORCH_CHECK(codebooks.scalar_type() == at::kFloat && codebooks.is_contiguous() &&
-                  codebooks.numel() == book_floats,
-              "codebooks: float32, the RVQ roles' [K, C, d] (keys' first)");
+                  codebooks.numel() == book_floats && search.scalar_type() == at::kFloat &&
+                  search.is_contiguous() && search.numel() == search_floats &&
+                  search_pairs.scalar_type() == at::kInt && search_pairs.is_contiguous() &&
+                  search_pairs.numel() == pair_words,
+              "codebooks, search, search_pairs: the RVQ roles' tables (ops/cpu.py)");
   const float* books = codebooks.data_ptr<float>();
-  if (kkind == KEY_RVQ) {
-    key_books.prepare(books, key_desc.data());
-    books += key_desc[RV_K] * key_desc[RV_C] * key_desc[RV_GROUP];
-  }
-  if (vkind == VAL_RVQ) value_books.prepare(books, value_desc.data());
+  const float* tables = search.data_ptr<float>();
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(search_pairs.data_ptr<int32_t>());
+  if (kkind == KEY_RVQ) key_books.take(key_desc, books, tables, pairs);
+  if (vkind == VAL_RVQ) value_books.take(value_desc, books, tables, pairs);
   const float* F = fft ? fft_forward.data_ptr<float>() : nullptr;
   const float* K = key.data_ptr<float>();
   const float* V = value.data_ptr<float>();
@@ -564,8 +681,8 @@ bool encode_states(const at::Tensor& key, const at::Tensor& value,
 TORCH_LIBRARY_FRAGMENT(lowbit_kv, m) {
   m.def(
       "encode_states(Tensor key, Tensor value, int[] geometry, int[] key_desc, int[] value_desc, "
-      "int one_bit_mode, float gamma, Tensor fft_forward, Tensor codebooks, Tensor(a!) states) "
-      "-> bool");
+      "int one_bit_mode, float gamma, Tensor fft_forward, Tensor codebooks, Tensor search, "
+      "Tensor search_pairs, Tensor(a!) states) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(lowbit_kv, CPU, m) { m.impl("encode_states", &encode_states); }
