@@ -12,8 +12,8 @@ rounding (the rest of that token's search follows from the other residual).
 
 import torch
 
-from vllm_lowbit_kv.codecs.rvq import RVQCodec, channel_groups
 from vllm_lowbit_kv.codecs.bitpack import unpack_bits
+from vllm_lowbit_kv.codecs.rvq import RVQCodec, channel_groups
 from vllm_lowbit_kv.codecs.vidkv import rfft_unique
 
 EXACT_FIELDS = {"codes", "scale", "zero", "chan_mask", "scale2", "zero2", "codes2",

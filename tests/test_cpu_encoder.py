@@ -138,9 +138,10 @@ def test_rvq_encoder_takes_the_lowest_of_tied_codes(tmp_path):
     layout = rvq_layout("rvq4x256", path, 2, 16)
     k, v = kv(3, 16, 2, 64, torch.float32, seed=2)
     ref, got, gids = check_store(layout, k, v)
-    for codec, states in ((layout.key_codec, layout.read_states(got, gids)[..., :layout.format.k_bytes]),
-                          (layout.value_codec, layout.read_states(got, gids)[..., layout.format.k_bytes:])):
-        codes = fields(codec, states)["codes"]
+    states, kb = layout.read_states(got, gids), layout.format.k_bytes
+    for codec, part in ((layout.key_codec, states[..., :kb]),
+                        (layout.value_codec, states[..., kb:])):
+        codes = fields(codec, part)["codes"]
         assert int(unpack_bits(codes, 8, codes.shape[-1]).max()) < 128
 
 
