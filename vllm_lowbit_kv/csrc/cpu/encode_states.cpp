@@ -54,14 +54,16 @@ inline void put_halves(uint8_t* field, const float* x, int n) {
   }
 }
 
-// codes [n] of `bits` bits (bits divides 8) -> a little-end-first packed field
-void pack_codes(const uint8_t* codes, int n, int bits, uint8_t* field) {
-  const int per = 8 / bits;
-  for (int b = 0; b * per < n; ++b) {
-    int byte = 0;
-    for (int k = 0; k < per && b * per + k < n; ++k) byte |= codes[b * per + k] << (k * bits);
-    field[b] = static_cast<uint8_t>(byte);
+// codes [n] of `bits` bits (up to 16) -> a little-end-first packed field
+template <typename Code>
+void pack_codes(const Code* codes, int64_t n, int bits, uint8_t* field) {
+  uint64_t acc = 0;
+  int filled = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    acc |= static_cast<uint64_t>(codes[i]) << filled;
+    for (filled += bits; filled >= 8; filled -= 8, acc >>= 8) *field++ = acc & 0xFF;
   }
+  if (filled) *field = acc & 0xFF;
 }
 
 // per-column min and max of x [T, n] (row stride ld)
@@ -511,17 +513,6 @@ void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t
 }
 #endif
 
-// codes [n] of `bits` bits (any width up to 16) -> a little-end-first bit stream
-void pack_wide_codes(const int32_t* codes, int64_t n, int bits, uint8_t* field) {
-  uint64_t acc = 0;
-  int filled = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    acc |= static_cast<uint64_t>(codes[i]) << filled;
-    for (filled += bits; filled >= 8; filled -= 8, acc >>= 8) *field++ = acc & 0xFF;
-  }
-  if (filled) *field = acc & 0xFF;
-}
-
 // RVQ of x [T, D] (rvq.RVQCodec.encode_groups): per token the fp16 population std (1 where
 // 0) divides the vector, whose channel groups (strided: channel j * n + g of group g) are
 // coded by Algorithm 1, K greedy stages of nearest codes; indices [T, n, K] packed. Stage
@@ -567,8 +558,8 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
       }
     }
   }
-  pack_wide_codes(idx, static_cast<int64_t>(rows) * K, static_cast<int>(desc[RV_BITS]),
-                  out + desc[RV_CODES]);
+  pack_codes(idx, static_cast<int64_t>(rows) * K, static_cast<int>(desc[RV_BITS]),
+             out + desc[RV_CODES]);
   put_halves(out + desc[RV_STD], s.lo.data(), T);
 }
 
