@@ -205,7 +205,15 @@ def copy_bandwidth(device: torch.device, nbytes: int, args=None) -> float:
 
 
 def layout_of(scheme: str, args) -> PagedLayout:
-    kc, vc = get_scheme(scheme).codecs(args.head_dim)
+    """The scheme's pages; an ``rvq*`` scheme codes with the embedded SmolLM2's default
+    codebooks (its first layer's; calibrated on first use), which fit only SmolLM2's shape."""
+    s = get_scheme(scheme)
+    if s.key.accepts("codebook"):
+        from vllm_lowbit_kv.calibrate import default_codebook
+        from vllm_lowbit_kv.model import prepare_model
+
+        s = s.with_params(codebook=str(default_codebook(prepare_model(), scheme, progress=False)))
+    kc, vc = s.codecs(args.head_dim, layer=0)
     return PagedLayout(kc, vc, args.kv_heads, args.block_size)
 
 
