@@ -129,6 +129,23 @@ def test_kernel_reads_rvq_pages(scheme, dtype, rvq_codebook_file):
     assert select_implementation(layout.format, "cpu", gqa=3)[0] == "cpp"
 
 
+@pytest.mark.parametrize("scheme", RVQ_SCHEMES)
+def test_rvq_tables_match_reference(scheme, rvq_codebook_file):
+    """Long contexts, where the kernel reads RVQ codes through per-query tables (scores as
+    sums of q . codeword entries, values as weights per codeword multiplied out at the end;
+    where building them pays: every scheme at 3 query vectors but `rvq`'s 2048-code books
+    below ~5K tokens): 3 and 18 query vectors (4- and 16-lane table rows), sink positions
+    skipped, a short request beside them that decodes its groups instead, and one long
+    request alone (its context split over items, merged by log-sum-exp)."""
+    layout = layout_for(scheme, {"codebook": str(rvq_codebook_file(scheme))}, H=3, T=64,
+                        block_size=128, sinks=4)
+    pages, table, ng, q_start, query = random_case(layout, [120, 120, 2, 60], [1, 6, 1, 1],
+                                                   Hq=9, seed=5)
+    check(layout, pages, table, ng, q_start, query.bfloat16(), torch.tensor([4, 0, 0, 64]))
+    pages, table, ng, q_start, query = random_case(layout, [200], [1], Hq=9, seed=6)
+    check(layout, pages, table, ng, q_start, query, torch.tensor([0]))
+
+
 @settings(max_examples=25, deadline=None)
 @given(scheme=st.sampled_from(["vidkv", "vidkv_stp", "kivi2"]),
        T=st.sampled_from([16, 32, 64]), blocks_per=st.integers(1, 3),
@@ -256,6 +273,11 @@ path = str(books.save(os.path.join(tempfile.mkdtemp(), "books.safetensors")))
 for i, (scheme, params) in enumerate(ENCODED + [("rvq4x256", {"codebook": path})]):
     layout = layout_for(scheme, params, H=2, T=32, block_size=64)
     check_store(layout, *kv(3, 32, 2, 64, torch.float32, seed=i))
+# RVQ pages through the kernel's per-query tables (contexts long enough to build them;
+# 3 and 18 query vectors: 4- and 16-lane rows)
+layout = layout_for("rvq4x256", {"codebook": path}, H=2, T=32, block_size=64)
+pages, table, ng, q_start, query = random_case(layout, [48, 48, 48, 2], [1, 6, 1, 1], 6, seed=0)
+check(layout, pages, table, ng, q_start, query.bfloat16(), torch.tensor([0, 0, 0, 0]))
 print("ok")
 """
 
@@ -285,8 +307,8 @@ def _check_build(tmp_path, march):
 def test_portable_build_without_avx512(tmp_path):
     """The kernel built for AVX2 only (no AVX-512: the scalar trit table, generic int8 and
     code conversions, repacked code rows read column by column, narrower vectors) matches
-    the reference too (FORMATS and CODE_PATHS), and so does the encoder (RVQ's float32
-    search)."""
+    the reference too (FORMATS and CODE_PATHS, RVQ's per-query tables), and so does the
+    encoder (RVQ's float32 search)."""
     import os
 
     if os.uname().machine != "x86_64":

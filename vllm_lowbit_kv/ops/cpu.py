@@ -158,6 +158,7 @@ class Descriptors:
     value: list[int]
     fft_map: torch.Tensor  # float32 [n1, n1] (A transposed, A: components -> channels), or empty
     codebooks: torch.Tensor  # float32: RVQ keys' codebooks then values' (the layer's), or empty
+    key_columns: torch.Tensor  # float32: RVQ keys' codebooks transposed [K, d^, C], or empty
     search: torch.Tensor  # float32: the encoder's tables of those codebooks (_search_tables)
     search_pairs: torch.Tensor  # int32: their bf16 pairs (_search_tables)
 
@@ -213,12 +214,14 @@ def _descriptors(fmt: PageFormat) -> Descriptors:
     geometry = [fmt.T, fmt.D, fmt.H, fmt.groups_per_block, fmt.sink_bytes, fmt.state_bytes,
                 fmt.k_bytes]
     codebooks = torch.cat(books).float().contiguous() if books else torch.empty(0)
+    key_columns = (fmt.key_codec.codewords.float().transpose(1, 2).contiguous()
+                   if fmt.key_kind == KEY_RVQ else torch.empty(0))
     tables = [_search_tables(c) for c, rvq in ((fmt.key_codec, fmt.key_kind == KEY_RVQ),
                                                (fmt.value_codec, fmt.val_kind == VAL_RVQ))
               if rvq]
     search = torch.cat([t[0] for t in tables]) if tables else torch.empty(0)
     pairs = torch.cat([t[1] for t in tables]) if tables else torch.empty(0, dtype=torch.int32)
-    return Descriptors(geometry, key, value, fft, codebooks, search, pairs)
+    return Descriptors(geometry, key, value, fft, codebooks, key_columns, search, pairs)
 
 
 _descriptor_cache: "weakref.WeakKeyDictionary[PageFormat, Descriptors]" = \
@@ -267,7 +270,8 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
     torch.ops.lowbit_kv.packed_attention(
         query, as_long(q_start), fmt.flat_pages(pages), as_long(group_table),
         as_long(num_groups), as_long(skip_tokens), float(scale),
-        desc.geometry, desc.key, desc.value, desc.fft_map, desc.codebooks, out, lse)
+        desc.geometry, desc.key, desc.value, desc.fft_map, desc.codebooks, desc.key_columns,
+        out, lse)
     return out, lse
 
 

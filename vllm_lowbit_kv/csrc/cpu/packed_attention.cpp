@@ -35,8 +35,11 @@
 // AVX-512 the portable paths (repacked rows, columns one at a time) run.
 //
 // RVQ pages (seed 001: each token's head vector as K codeword indices per channel group,
-// times its std) are decoded one group at a time from the layer's codebooks (float32,
-// passed beside the pages) and then read as dense rows.
+// times its std; the layer's codebooks, float32, passed beside the pages): where the item
+// is long enough to pay for them, through per-query tables (q . codeword for every code,
+// built once per item: a score is n K lookups; values as weights summed per codeword and
+// multiplied out once at the end); otherwise, and for tiles, decoded one group at a time
+// and read as dense rows.
 //
 // Vectors are GCC/Clang vector extensions (16 floats): AVX-512 with
 // -march=native on this machine, split into narrower registers elsewhere.
@@ -61,6 +64,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "descriptors.h"
@@ -684,7 +688,17 @@ struct Format {
   const float* fft_map_t;  // [n1, n1] A transposed (column j of A is row j), or nullptr
   const float* key_books;  // RVQ keys: the layer's codebooks [K][C][d^], or nullptr
   const float* val_books;  // RVQ values: likewise
+  const float* key_columns;  // RVQ keys: their codebooks transposed [K][d^][C], or nullptr
 };
+
+// indices of one RVQ group (the larger of the keys' and the values'), 0 without RVQ
+size_t rvq_indices_per_group(const Format& f) {
+  size_t most = 0;
+  for (const std::vector<int64_t>* d : {&f.key, &f.val})
+    if ((*d)[0] == (d == &f.key ? KEY_RVQ : VAL_RVQ))
+      most = std::max(most, size_t(f.T) * (f.D / (*d)[RV_GROUP]) * (*d)[RV_K]);
+  return most;
+}
 
 struct Scratch {
   std::vector<uint32_t> words;  // repacked code rows, [D / 4 + 1][TP]
@@ -697,12 +711,14 @@ struct Scratch {
   std::vector<float> qn, u;     // [M * D]: normal channels of the queries, A q_N
   std::vector<float> tabs;       // lookup tables of kMaxMB query vectors [kMaxMB][D / 2][16]
   std::vector<int> idx2, idxn, kpos, vpos;
+  std::vector<int32_t> rvq_idx;  // RVQ: one group's indices [T * n * K]
+  std::vector<float> rvq_sd;     // and its tokens' std [T]
   Scratch(const Format& f, int M)
       : words(size_t(f.D / 4 + 1) * f.TP), x(size_t(f.TP) * f.D + 2 * L), ss(size_t(M) * f.TP),
         w(size_t(M) * f.D + L), w1(size_t(M) * f.D + L), cst(M), psum(M),
         meta(4 * size_t(f.D)), qn(size_t(M) * f.D + L), u(size_t(M) * f.D + L),
         tabs(size_t(kMaxMB) * (f.D / 2) * L), idx2(f.D), idxn(f.D), kpos(f.T + L),
-        vpos(f.T + L) {}
+        vpos(f.T + L), rvq_idx(rvq_indices_per_group(f)), rvq_sd(rvq_idx.empty() ? 0 : f.T) {}
 };
 
 // out[m * TP + i] += sum_j w[m * J + j] code(i, j) over rows [0, n) of J b-bit codes (rows
@@ -745,44 +761,66 @@ void affine_channel_scores(const uint8_t* codes, int rows, int bits, const uint8
   code_column_scores(codes, rows, D, bits, s.w.data(), M, TP, out, s);
 }
 
-// RVQ group -> rows x [T][D]: per token and channel group the sum of its K codewords,
-// times the token's std (1 where the std is 0), channels put back by the grouping
-// (vllm_lowbit_kv/codecs/rvq.py: decode_groups). z holds d^ floats.
-void rvq_decode(const uint8_t* st, const std::vector<int64_t>& d, const float* books, int T, int D,
-                float* x, float* z) {
-  const int K = int(d[RV_K]), C = int(d[RV_C]), bits = int(d[RV_BITS]), gs = int(d[RV_GROUP]);
-  const int n = D / gs;
-  const bool strided = d[RV_STRIDED] != 0;
-  const uint8_t* codes = st + d[RV_CODES];
-  const uint32_t mask = (1u << bits) - 1;
-  int64_t bit = 0;  // indices: token-major, then group, then codebook; little-end first
-  for (int t = 0; t < T; ++t) {
-    c10::Half h;
-    std::memcpy(&h, st + d[RV_STD] + 2 * t, 2);
-    const float sd = float(h) > 0.f ? float(h) : 1.f;
-    for (int g = 0; g < n; ++g) {
-      std::fill(z, z + gs, 0.f);
-      for (int k = 0; k < K; ++k, bit += bits) {
-        const uint8_t* b = codes + (bit >> 3);  // an index spans at most 3 bytes (<= 16 bits)
-        const uint32_t w = uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16;
-        const float* c = books + (int64_t(k) * C + ((w >> (bit & 7)) & mask)) * gs;
-#pragma omp simd
-        for (int j = 0; j < gs; ++j) z[j] += c[j];
-      }
-      float* xt = x + int64_t(t) * D;
-      if (strided)
-        for (int j = 0; j < gs; ++j) xt[j * n + g] = z[j] * sd;
-      else
-        for (int j = 0; j < gs; ++j) xt[g * gs + j] = z[j] * sd;
+// -- RVQ ---------------------------------------------------------------------------------
+// One codec's RVQ descriptor (descriptors.h, enum Rvq): K codebooks of C codes of d^ = gs
+// channels, n = D / gs channel groups, b-bit indices.
+struct RvqShape {
+  int K, C, bits, gs, n;
+  bool strided;
+  int64_t codes, std;
+  RvqShape(const std::vector<int64_t>& d, int D)
+      : K(int(d[RV_K])), C(int(d[RV_C])), bits(int(d[RV_BITS])), gs(int(d[RV_GROUP])),
+        n(D / gs), strided(d[RV_STRIDED] != 0), codes(d[RV_CODES]), std(d[RV_STD]) {}
+  // channel of element j of group g (vllm_lowbit_kv/codecs/rvq.py: the grouping)
+  int channel(int g, int j) const { return strided ? j * n + g : g * gs + j; }
+};
+
+// A group's indices idx[(t n + g) K + k] (the stream's order: token-major, then group, then
+// codebook; little-end first) and its tokens' std sd[t] (1 where the std is 0)
+void rvq_indices(const uint8_t* st, const RvqShape& r, int T, int32_t* idx, float* sd) {
+  const uint8_t* codes = st + r.codes;
+  const uint32_t mask = (1u << r.bits) - 1;
+  const int64_t count = int64_t(T) * r.n * r.K;
+  if (r.bits == 8) {
+    for (int64_t i = 0; i < count; ++i) idx[i] = codes[i];
+  } else {
+    for (int64_t i = 0, bit = 0; i < count; ++i, bit += r.bits) {
+      const uint8_t* b = codes + (bit >> 3);  // an index spans at most 3 bytes (<= 16 bits)
+      const uint32_t w = uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16;
+      idx[i] = int32_t((w >> (bit & 7)) & mask);
     }
   }
+  halves_to_float(st + r.std, T, sd);
+  for (int t = 0; t < T; ++t) sd[t] = sd[t] > 0.f ? sd[t] : 1.f;
+}
+
+// RVQ group -> rows x [T][D]: per token and channel group the sum of its K codewords,
+// times the token's std, channels put back by the grouping
+// (vllm_lowbit_kv/codecs/rvq.py: decode_groups).
+void rvq_decode(const uint8_t* st, const std::vector<int64_t>& d, const float* books, int T, int D,
+                float* x, Scratch& s) {
+  const RvqShape r(d, D);
+  int32_t* idx = s.rvq_idx.data();
+  float* sd = s.rvq_sd.data();
+  float* z = s.meta.data();
+  rvq_indices(st, r, T, idx, sd);
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < r.n; ++g) {
+      std::fill(z, z + r.gs, 0.f);
+      for (int k = 0; k < r.K; ++k) {
+        const float* c = books + (int64_t(k) * r.C + idx[(t * r.n + g) * r.K + k]) * r.gs;
+#pragma omp simd
+        for (int j = 0; j < r.gs; ++j) z[j] += c[j];
+      }
+      for (int j = 0; j < r.gs; ++j) x[int64_t(t) * D + r.channel(g, j)] = z[j] * sd[t];
+    }
 }
 
 // RVQ key group -> its channels xt[c * TP + t] = k_t[c] (tail tokens 0)
 void rvq_key_columns(const Format& f, const uint8_t* st, float* xt, Scratch& s) {
   const int T = f.T, D = f.D, TP = f.TP;
   float* x = s.x.data();
-  rvq_decode(st, f.key, f.key_books, T, D, x, s.meta.data());
+  rvq_decode(st, f.key, f.key_books, T, D, x, s);
   std::fill(xt, xt + size_t(D) * TP, 0.f);
   for (int t = 0; t < T; ++t)
     for (int c = 0; c < D; ++c) xt[size_t(c) * TP + t] = x[int64_t(t) * D + c];
@@ -944,7 +982,7 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
   float* zero = scale + D;
   int* pos = s.vpos.data();
   if (d[0] == VAL_RVQ) {  // dense rows of one group
-    rvq_decode(sv, d, f.val_books, T, D, x, zero);
+    rvq_decode(sv, d, f.val_books, T, D, x, s);
     stp_positions(nullptr, T, 0, pos);
     std::fill(scale, scale + D, 1.f);
     accumulate(DenseRows<float>{x, D}, pos, T, p, M, D, TP, scale, nullptr, acc, s);
@@ -1021,6 +1059,197 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
   accumulate(DenseRows<int8_t>{trits, D}, pos + np, n, p, M, D, TP, scale, nullptr, acc, s);
 }
 
+// -- RVQ through per-query tables (decode items) -------------------------------------------
+// A token's key is s_t sum_g sum_k c_k[j_tgk] (its std times the codewords of its indices,
+// channels by group), so q . k_t = s_t sum_{g,k} (q_g . c_k[j_tgk]): with a table of q_g . c
+// for every codeword, built once per item, a score is n K lookups instead of a decode (K D
+// additions) and a product (D). Values alike: sum_t p_t v_t = sum_{g,k,j} (sum of p_t s_t
+// over the tokens whose index at (g, k) is j) c_k[j], weights summed per codeword as the
+// tokens go and multiplied out once at the end. Tables are laid out [g K + k][C][W]: a
+// codeword's row holds the M query vectors' entries in W lanes (4 for up to 4 vectors, as
+// SmolLM2's 3 query heads per KV head, else M rounded up to 16; zeros past M), read and
+// added by whole aligned vectors.
+struct RvqTables {
+  int W = 0;                        // row width
+  std::vector<float> keys, values;  // [n K C W] each, where used
+  std::vector<float> qg;            // the queries' channels by group [M][n][d^]
+  std::vector<float> corr;          // the softmax's rescale of each row lane this group [W]
+  std::vector<float> pt;            // one group's weights token-major [T][W]
+};
+
+inline int rvq_row_width(int M) { return M <= 4 ? 4 : round_up(M); }
+
+// whether an item of `tokens` tokens and M query vectors reads this codec faster through
+// tables: building (or multiplying out) one costs M K C D multiply-adds, after which a
+// token costs n K M additions instead of K D (its decode) plus M D (its products)
+bool rvq_tables_pay(const RvqShape& r, int D, int M, int64_t tokens) {
+  const int64_t per_token = int64_t(r.K) * D + int64_t(M) * D - int64_t(r.n) * r.K * M;
+  return tokens * per_token > int64_t(M) * r.K * r.C * D;
+}
+
+size_t rvq_table_floats(const RvqShape& r, int W) { return size_t(r.n) * r.K * r.C * W; }
+
+// keys[((g K + k) C + j) W + m] = q_m,g . c_k[j] (q already scaled), 16 codes at a time
+// from the codebooks transposed (columns [K][d^][C])
+void rvq_key_table(const RvqShape& r, const float* columns, const float* q, int M, int D,
+                   RvqTables& tab) {
+  const int C = r.C, gs = r.gs, W = tab.W;
+  tab.keys.assign(rvq_table_floats(r, W), 0.f);
+  tab.qg.resize(size_t(M) * D);
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < r.n; ++g)
+      for (int i = 0; i < gs; ++i) tab.qg[(m * r.n + g) * gs + i] = q[m * D + r.channel(g, i)];
+  alignas(64) float lanes[L];
+  for (int g = 0; g < r.n; ++g)
+    for (int k = 0; k < r.K; ++k) {
+      const float* bt = columns + size_t(k) * gs * C;
+      float* rows = tab.keys.data() + (int64_t(g) * r.K + k) * C * W;
+      for (int m = 0; m < M; ++m) {
+        const float* qm = tab.qg.data() + (m * r.n + g) * gs;
+        for (int j0 = 0; j0 < C; j0 += L) {
+          const int jb = std::min(L, C - j0);
+          if (jb == L) {
+            vf acc = vf{};
+            for (int i = 0; i < gs; ++i) acc += splat(qm[i]) * loadf(bt + size_t(i) * C + j0);
+            storef(lanes, acc);
+          } else {  // the last codes of a codebook whose size is not a multiple of 16
+            for (int j = 0; j < jb; ++j) {
+              lanes[j] = 0.f;
+              for (int i = 0; i < gs; ++i) lanes[j] += qm[i] * bt[size_t(i) * C + j0 + j];
+            }
+          }
+          for (int j = 0; j < jb; ++j) rows[(j0 + j) * W + m] = lanes[j];
+        }
+      }
+    }
+}
+
+// VW floats (4 or 16) as one vector
+template <int VW>
+struct Lanes {
+  typedef float V __attribute__((vector_size(4 * VW)));
+  static V load(const float* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
+  static void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+};
+
+// sc[m * TP + t] = q_m . k_t for the group's T tokens, from the key table, VW lanes of a
+// row at a time
+template <int VW>
+void table_scores(const int32_t* idx, const float* sd, const RvqShape& r, const float* table,
+                  int T, int M, int W, int TP, float* sc) {
+  using V = typename Lanes<VW>::V;
+  const int nk = r.n * r.K;
+  alignas(64) float lanes[VW];
+  for (int m0 = 0; m0 < M; m0 += VW) {
+    for (int t = 0; t < T; ++t) {
+      const int32_t* it = idx + t * nk;
+      auto entry = [&](int gk) {
+        return Lanes<VW>::load(table + (int64_t(gk) * r.C + it[gk]) * W + m0);
+      };
+      V a0 = V{}, a1 = V{}, a2 = V{}, a3 = V{};  // one chain of nk additions: the bound
+      int gk = 0;
+      for (; gk + 4 <= nk; gk += 4) {
+        a0 += entry(gk);
+        a1 += entry(gk + 1);
+        a2 += entry(gk + 2);
+        a3 += entry(gk + 3);
+      }
+      for (; gk < nk; ++gk) a0 += entry(gk);
+      Lanes<VW>::store(lanes, ((a0 + a1) + (a2 + a3)) * sd[t]);
+      for (int m = 0; m < std::min(VW, M - m0); ++m) sc[(m0 + m) * TP + t] = lanes[m];
+    }
+  }
+}
+
+// values[((g K + k) C + j) W + m] += sum of p[m * TP + t] s_t over the tokens t with index j
+// at (g, k), VW lanes of a row at a time
+template <int VW>
+void table_weights(const int32_t* idx, const float* sd, const RvqShape& r, const float* p,
+                   int T, int M, int TP, RvqTables& tab) {
+  const int nk = r.n * r.K, W = tab.W;
+  tab.pt.assign(size_t(T) * W, 0.f);  // p_t s_t token-major: a token's weights are one load
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < T; ++t) tab.pt[size_t(t) * W + m] = p[m * TP + t] * sd[t];
+  float* table = tab.values.data();
+  for (int m0 = 0; m0 < M; m0 += VW)
+    for (int t = 0; t < T; ++t) {
+      const auto w = Lanes<VW>::load(tab.pt.data() + size_t(t) * W + m0);
+      const int32_t* it = idx + t * nk;
+      for (int gk = 0; gk < nk; ++gk) {
+        float* e = table + (int64_t(gk) * r.C + it[gk]) * W + m0;
+        Lanes<VW>::store(e, Lanes<VW>::load(e) + w);
+      }
+    }
+}
+
+void rvq_table_scores(const uint8_t* st, const RvqShape& r, const RvqTables& tab, int T, int M,
+                      int TP, float* sc, Scratch& s) {
+  rvq_indices(st, r, T, s.rvq_idx.data(), s.rvq_sd.data());
+  (tab.W == 4 ? table_scores<4> : table_scores<L>)(s.rvq_idx.data(), s.rvq_sd.data(), r,
+                                                   tab.keys.data(), T, M, tab.W, TP, sc);
+}
+
+void rvq_table_weights(const uint8_t* sv, const RvqShape& r, const float* p, int T, int M,
+                       int TP, RvqTables& tab, Scratch& s) {
+  rvq_indices(sv, r, T, s.rvq_idx.data(), s.rvq_sd.data());
+  (tab.W == 4 ? table_weights<4> : table_weights<L>)(s.rvq_idx.data(), s.rvq_sd.data(), r, p,
+                                                     T, M, TP, tab);
+}
+
+// the value table times this group's softmax corrections (as acc), where one is not 1
+void rvq_rescale(RvqTables& tab) {
+  if (std::all_of(tab.corr.begin(), tab.corr.end(), [](float c) { return c == 1.f; })) return;
+  const int W = tab.W;
+  float* v = tab.values.data();
+  const size_t rows = tab.values.size() / W;
+  if (W == 4) {
+    const auto c = Lanes<4>::load(tab.corr.data());
+    for (size_t i = 0; i < rows; ++i) Lanes<4>::store(v + 4 * i, Lanes<4>::load(v + 4 * i) * c);
+  } else {
+    for (size_t i = 0; i < rows; ++i)
+      for (int m0 = 0; m0 < W; m0 += L)
+        storef(v + i * W + m0, loadf(v + i * W + m0) * loadf(tab.corr.data() + m0));
+  }
+}
+
+// n <= 16 floats at p as a vector (16 loaded where there are; zeros past n otherwise, so
+// that nothing past a codebook's end is read)
+inline vf code_slice(const float* p, int n) {
+  if (n >= L) return loadf(p);
+  vf v = vf{};
+  std::memcpy(&v, p, sizeof(float) * size_t(n));
+  return v;
+}
+
+// acc[m * D + c] += the value table multiplied out: sum_{g,k,j} w_gkj,m c_k[j] at the
+// channels of group g (16 channels at a time in registers, two sums over the codes)
+void rvq_fold_values(const RvqShape& r, const float* books, const RvqTables& tab, int M, int D,
+                     float* acc, Scratch& s) {
+  float* z = s.meta.data();  // one group's channels [d^] (+ slack)
+  const int gs = r.gs, W = tab.W;
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < r.n; ++g) {
+      for (int i0 = 0; i0 < gs; i0 += L) {
+        vf s0 = vf{}, s1 = vf{};  // two chains of multiply-adds
+        for (int k = 0; k < r.K; ++k) {
+          const float* w = tab.values.data() + (int64_t(g) * r.K + k) * r.C * W + m;
+          const float* c = books + int64_t(k) * r.C * gs + i0;
+          auto term = [&](int j) {
+            return splat(w[int64_t(j) * W]) * code_slice(c + int64_t(j) * gs, gs - i0);
+          };
+          int j = 0;
+          for (; j + 2 <= r.C; j += 2) {
+            s0 += term(j);
+            s1 += term(j + 1);
+          }
+          if (j < r.C) s0 += term(j);
+        }
+        storef(z + i0, s0 + s1);
+      }
+      for (int i = 0; i < gs; ++i) acc[m * D + r.channel(g, i)] += z[i];
+    }
+}
+
 // -- one work item: request r, KV head h, its groups [g_lo, g_hi) -----------------------
 struct Item {
   int64_t r, h, g_lo, g_hi, partial;  // partial: index into the split buffers, -1: final
@@ -1063,6 +1292,7 @@ constexpr int kTileMinVectors = 256;
 // path).
 struct Work {
   Scratch s;
+  RvqTables rvq;
   TilePool tiles;
   float *q, *sc, *acc, *mrun, *lsum;
   float *kt, *vrows, *basis;  // tile path: K^T [D][TP], V [TP][D], basis vectors
@@ -1100,7 +1330,7 @@ void decode_tiles(const Format& f, const uint8_t* st, Work& wk) {
   }
   std::fill(wk.vrows, wk.vrows + size_t(TP) * D, 0.f);
   if (f.val[0] == VAL_RVQ) {
-    rvq_decode(st + f.k_bytes, f.val, f.val_books, T, D, wk.vrows, wk.s.meta.data());
+    rvq_decode(st + f.k_bytes, f.val, f.val_books, T, D, wk.vrows, wk.s);
   } else {
     std::fill(e, e + size_t(T) * TP, 0.f);
     for (int t = 0; t < T; ++t) e[t * TP + t] = 1.f;
@@ -1132,6 +1362,19 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
   std::fill(acc, acc + size_t(M) * D, 0.f);
   std::fill(mrun, mrun + M, kNegInf);
   std::fill(lsum, lsum + M, 0.f);
+  // RVQ codes through tables where building them pays for this item's tokens
+  const int64_t tokens = (it.g_hi - it.g_lo) * T;
+  std::optional<RvqShape> key_rvq, val_rvq;
+  wk.rvq.W = rvq_row_width(M);
+  if (!tiles && f.key[0] == KEY_RVQ && rvq_tables_pay(RvqShape(f.key, D), D, M, tokens)) {
+    key_rvq.emplace(f.key, D);
+    rvq_key_table(*key_rvq, f.key_columns, q, M, D, wk.rvq);
+  }
+  if (!tiles && f.val[0] == VAL_RVQ && rvq_tables_pay(RvqShape(f.val, D), D, M, tokens)) {
+    val_rvq.emplace(f.val, D);
+    wk.rvq.values.assign(rvq_table_floats(*val_rvq, wk.rvq.W), 0.f);
+    wk.rvq.corr.assign(wk.rvq.W, 1.f);
+  }
   const int64_t skip = run.skip[it.r];
   const int64_t* gids = run.table + it.r * run.table_stride;
   auto state = [&](int64_t gid) {
@@ -1155,6 +1398,8 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
       } else
 #endif
         tile_scores<FloatTiles>(q, M, D, wk.kt, TP, TP, sc, TP);
+    } else if (key_rvq) {
+      rvq_table_scores(st, *key_rvq, wk.rvq, T, M, TP, sc, wk.s);
     } else {
       key_scores(f, st, q, M, sc, wk.s);
     }
@@ -1168,9 +1413,11 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
       const float mnew = std::max(mrun[m], hmax(mx));
       if (mnew == kNegInf) {  // every position of this group masked
         std::fill(row, row + TP, 0.f);
+        if (val_rvq) wk.rvq.corr[m] = 1.f;
         continue;
       }
       const float corr = std::exp(mrun[m] - mnew);  // 0 for the first keys
+      if (val_rvq) wk.rvq.corr[m] = mrun[m] == kNegInf ? 1.f : corr;  // nothing summed yet
       mrun[m] = mnew;
       vf psum = vf{};
       for (int t = 0; t < TP; t += L) {
@@ -1192,11 +1439,16 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
       tile_values<Bf16PairTiles>(wk.pb, TP / 2, M, wk.vp, D, T, acc);
     } else
 #endif
-    if (tiles)
+    if (tiles) {
       tile_values<FloatTiles>(sc, TP, M, wk.vrows, D, T, acc);
-    else
+    } else if (val_rvq) {
+      rvq_rescale(wk.rvq);
+      rvq_table_weights(st + f.k_bytes, *val_rvq, sc, T, M, TP, wk.rvq, wk.s);
+    } else {
       accumulate_values(f, st + f.k_bytes, sc, M, acc, wk.s);
+    }
   }
+  if (val_rvq) rvq_fold_values(*val_rvq, f.val_books, wk.rvq, M, D, acc, wk.s);
 }
 
 void write_rows(const Run& run, int64_t r, int64_t h, const float* acc, const float* mrun,
@@ -1221,13 +1473,13 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
                       const at::Tensor& group_table, const at::Tensor& num_groups,
                       const at::Tensor& skip_tokens, double scale, at::IntArrayRef geometry,
                       at::IntArrayRef key_desc, at::IntArrayRef value_desc,
-                      const at::Tensor& fft_map, const at::Tensor& codebooks, const at::Tensor& out,
-                      const at::Tensor& lse) {
+                      const at::Tensor& fft_map, const at::Tensor& codebooks,
+                      const at::Tensor& key_columns, const at::Tensor& out, const at::Tensor& lse) {
   TORCH_CHECK(geometry.size() == G_COUNT, "geometry: ", G_COUNT, " entries expected");
   Format f{int(geometry[G_T]), int(geometry[G_D]), round_up(int(geometry[G_T])),
            int(geometry[G_H]), int(geometry[G_N]), geometry[G_SINK_BYTES],
            geometry[G_STATE_BYTES], geometry[G_K_BYTES], key_desc.vec(), value_desc.vec(), nullptr,
-           nullptr, nullptr};
+           nullptr, nullptr, nullptr};
   TORCH_CHECK(!f.key.empty() && !f.val.empty(), "empty codec descriptor");
   TORCH_CHECK((f.key[0] == KEY_KIVI_CHANNEL && f.key.size() == KK_COUNT) ||
                   (f.key[0] == KEY_VIDKV && f.key.size() == VK_COUNT) ||
@@ -1257,6 +1509,10 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
     if (f.key[0] == KEY_RVQ) {
       f.key_books = books;
       books += f.key[RV_K] * f.key[RV_C] * f.key[RV_GROUP];
+      TORCH_CHECK(key_columns.scalar_type() == at::kFloat && key_columns.is_contiguous() &&
+                      key_columns.numel() == f.key[RV_K] * f.key[RV_C] * f.key[RV_GROUP],
+                  "key_columns: float32 contiguous, the RVQ key codebooks transposed [K][d^][C]");
+      f.key_columns = key_columns.data_ptr<float>();
     }
     if (f.val[0] == VAL_RVQ) f.val_books = books;
   }
@@ -1420,7 +1676,8 @@ TORCH_LIBRARY_FRAGMENT(lowbit_kv, m) {
   m.def(
       "packed_attention(Tensor query, Tensor q_start, Tensor pages, Tensor group_table, "
       "Tensor num_groups, Tensor skip_tokens, float scale, int[] geometry, int[] key_desc, "
-      "int[] value_desc, Tensor fft_map, Tensor codebooks, Tensor(a!) out, Tensor(b!) lse) -> ()");
+      "int[] value_desc, Tensor fft_map, Tensor codebooks, Tensor key_columns, Tensor(a!) out, "
+      "Tensor(b!) lse) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lowbit_kv, CPU, m) { m.impl("packed_attention", &packed_attention); }
