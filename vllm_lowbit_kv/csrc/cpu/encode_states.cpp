@@ -325,6 +325,7 @@ constexpr int kLanes = 16;
 constexpr int kCodeVectors = 8;  // 128 codes' distances in registers per pass over r
 constexpr int kSearchRows = 2;   // residual rows searched together (sharing code loads)
 constexpr int kMaxPairGroup = 128;  // widest channel group of the bf16 pass
+constexpr int kMaxCodes = 1 << 16;  // codes per codebook (indices of at most 16 bits)
 
 // One role's codebooks as the search reads them, prepared once per page format in Python
 // (vllm_lowbit_kv/ops/cpu.py, _search_tables): codes [K, C, d] (the layer's, as the
@@ -431,10 +432,11 @@ inline uint32_t bf16_bits(float x) {
 }
 
 // approx[i * C + c] = ||c||^2 - 2 r_i.c in bf16 products (float32 sums) of NV * 16 codes
-// from c0; w: bf16 pairs of -2 r_i, [R][d / 2]
+// from c0, and lo[i] = the lanewise minimum of lo[i] and those distances; w: bf16 pairs
+// of -2 r_i, [R][d / 2]
 template <int R, int NV>
 inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
-                             const float* norms, int C, int c0, float* approx) {
+                             const float* norms, int C, int c0, float* approx, __m512* lo) {
   __m512 acc[R][NV];
   for (int v = 0; v < NV; ++v) {
     const __m512 n = _mm512_loadu_ps(norms + c0 + v * kLanes);
@@ -451,7 +453,10 @@ inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(approx + i * C + c0 + v * kLanes, acc[i][v]);
+    for (int v = 0; v < NV; ++v) {
+      _mm512_storeu_ps(approx + i * C + c0 + v * kLanes, acc[i][v]);
+      lo[i] = _mm512_min_ps(lo[i], acc[i][v]);
+    }
 }
 
 // nearest_codes in two passes: every distance in bf16 products (vdpbf16ps, twice
@@ -460,7 +465,9 @@ inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
 // rounding of -2 r and c moves a product by at most (2u + u^2) |2 r_j c_j| (u = 2^-8),
 // so the pass is off by at most 0.0158 ||r|| max||c|| plus its float32 sums' rounding
 // (vdpbf16ps: products of bf16 exact in float32, one rounding per sum; DAZ/FTZ moves a
-// product by under 2^-126 |c_j|).
+// product by under 2^-126 |c_j|). The minimum comes from the registers of the pass; the
+// candidates (about two per row) are found through a bitmap of the 16-code blocks that
+// hold any.
 // approx: scratch of R * C floats. d a multiple of 16, at most kMaxPairGroup.
 template <int R>
 void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t* out,
@@ -470,42 +477,53 @@ void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t
   const float* norms = b.norms + static_cast<size_t>(k) * C;
   const float* codes = b.codes + static_cast<size_t>(k) * C * d;
   uint32_t w[R * kMaxPairGroup / 2];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < half; ++j)
-      w[i * half + j] = bf16_bits(-2.f * r[i][2 * j]) | bf16_bits(-2.f * r[i][2 * j + 1]) << 16;
-  int c0 = 0;
-  for (; c0 + kCodeVectors * kLanes <= C; c0 += kCodeVectors * kLanes)
-    approx_distances<R, kCodeVectors>(w, half, pairs, norms, C, c0, approx);
-  for (; c0 < C; c0 += kLanes) approx_distances<R, 1>(w, half, pairs, norms, C, c0, approx);
+  float err[R];
+  // bf16 rounding 0.01566 ||r|| cmax; float32 sums (d <= 128 roundings of at most
+  // 2^-24 (||c||^2 + 2 ||r|| ||c||)): under 1.6e-5 ||r|| cmax + 7.7e-6 cmax^2
   const float cmax = b.max_norm[k];
   for (int i = 0; i < R; ++i) {
-    const float* a = approx + i * C;
-    __m512 lo = _mm512_loadu_ps(a);
-    for (int c = kLanes; c < C; c += kLanes) lo = _mm512_min_ps(lo, _mm512_loadu_ps(a + c));
     __m512 rr = _mm512_setzero_ps();
     for (int j = 0; j < d; j += kLanes) {
       const __m512 x = _mm512_loadu_ps(r[i] + j);
       rr = _mm512_fmadd_ps(x, x, rr);
     }
-    // bf16 rounding 0.01566 ||r|| cmax; float32 sums (d <= 128 roundings of at most
-    // 2^-24 (||c||^2 + 2 ||r|| ||c||)): under 1.6e-5 ||r|| cmax + 7.7e-6 cmax^2
-    const float err = 0.0158f * std::sqrt(_mm512_reduce_add_ps(rr)) * cmax +
-                      1e-5f * cmax * cmax + 1e-30f;
-    const __m512 limit = _mm512_set1_ps(_mm512_reduce_min_ps(lo) + 2.f * err);
+    err[i] = 0.0158f * std::sqrt(_mm512_reduce_add_ps(rr)) * cmax + 1e-5f * cmax * cmax + 1e-30f;
+    for (int j = 0; j < half; ++j)
+      w[i * half + j] = bf16_bits(-2.f * r[i][2 * j]) | bf16_bits(-2.f * r[i][2 * j + 1]) << 16;
+  }
+  __m512 lo[R];
+  for (int i = 0; i < R; ++i) lo[i] = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  int c0 = 0;
+  for (; c0 + kCodeVectors * kLanes <= C; c0 += kCodeVectors * kLanes)
+    approx_distances<R, kCodeVectors>(w, half, pairs, norms, C, c0, approx, lo);
+  for (; c0 < C; c0 += kLanes) approx_distances<R, 1>(w, half, pairs, norms, C, c0, approx, lo);
+  for (int i = 0; i < R; ++i) {
+    const float* a = approx + i * C;
+    const __m512 limit = _mm512_set1_ps(_mm512_reduce_min_ps(lo[i]) + 2.f * err[i]);
+    // the candidates' masks per 16 codes, and which of those are not empty (one bit per
+    // 16 codes): about two candidates in all, so the loops below run a few times
+    __mmask16 masks[kMaxCodes / kLanes];
+    uint64_t any[kMaxCodes / kLanes / 64];
+    std::fill(any, any + (C / kLanes + 63) / 64, uint64_t{0});
+    for (int c1 = 0, blk = 0; c1 < C; c1 += kLanes, ++blk) {
+      masks[blk] = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + c1), limit, _CMP_LE_OQ);
+      any[blk >> 6] |= static_cast<uint64_t>(masks[blk] != 0) << (blk & 63);
+    }
     float best = std::numeric_limits<float>::infinity();
     int32_t found = 0;
-    for (int c1 = 0; c1 < C; c1 += kLanes)
-      for (__mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + c1), limit, _CMP_LE_OQ); m;
-           m &= m - 1) {
-        const int c = c1 + __builtin_ctz(m);
-        const float* code = codes + static_cast<size_t>(c) * d;
-        __m512 dot = _mm512_setzero_ps();
-        for (int j = 0; j < d; j += kLanes)
-          dot = _mm512_fmadd_ps(_mm512_loadu_ps(r[i] + j), _mm512_loadu_ps(code + j), dot);
-        const float dist = norms[c] - 2.f * _mm512_reduce_add_ps(dot);
-        if (dist < best) {  // ascending codes: the lowest index among equal distances
-          best = dist;
-          found = c;
+    for (int word = 0; word * 64 * kLanes < C; ++word)
+      for (uint64_t bits = any[word]; bits; bits &= bits - 1) {
+        const int blk = word * 64 + __builtin_ctzll(bits);
+        for (__mmask16 m = masks[blk]; m; m &= m - 1) {
+          const int c = blk * kLanes + __builtin_ctz(m);
+          const float* code = codes + static_cast<size_t>(c) * d;
+          __m512 dot = _mm512_setzero_ps();
+          for (int j = 0; j < d; j += kLanes)
+            dot = _mm512_fmadd_ps(_mm512_loadu_ps(r[i] + j), _mm512_loadu_ps(code + j), dot);
+          const float dist = norms[c] - 2.f * _mm512_reduce_add_ps(dot);
+          const bool closer = dist < best;  // ascending codes: the lowest index among equals
+          best = closer ? dist : best;
+          found = closer ? c : found;
         }
       }
     out[i] = found;
