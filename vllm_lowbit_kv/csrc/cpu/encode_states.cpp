@@ -500,32 +500,30 @@ void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t
   for (int i = 0; i < R; ++i) {
     const float* a = approx + i * C;
     const __m512 limit = _mm512_set1_ps(_mm512_reduce_min_ps(lo[i]) + 2.f * err[i]);
-    // the candidates' masks per 16 codes, and which of those are not empty (one bit per
-    // 16 codes): about two candidates in all, so the loops below run a few times
-    __mmask16 masks[kMaxCodes / kLanes];
-    uint64_t any[kMaxCodes / kLanes / 64];
-    std::fill(any, any + (C / kLanes + 63) / 64, uint64_t{0});
-    for (int c1 = 0, blk = 0; c1 < C; c1 += kLanes, ++blk) {
-      masks[blk] = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + c1), limit, _CMP_LE_OQ);
-      any[blk >> 6] |= static_cast<uint64_t>(masks[blk] != 0) << (blk & 63);
-    }
+    // the candidates as a bitmap of the codes (16 per compare, read back 64 at a time):
+    // about two in all, so the loop below runs a few times
+    __mmask16 masks[kMaxCodes / kLanes + 3];
+    const int blocks = C / kLanes;
+    for (int blk = 0; blk < blocks; ++blk)
+      masks[blk] = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + blk * kLanes), limit, _CMP_LE_OQ);
+    std::fill(masks + blocks, masks + blocks + 3, __mmask16{0});  // the last word's rest
     float best = std::numeric_limits<float>::infinity();
     int32_t found = 0;
-    for (int word = 0; word * 64 * kLanes < C; ++word)
-      for (uint64_t bits = any[word]; bits; bits &= bits - 1) {
-        const int blk = word * 64 + __builtin_ctzll(bits);
-        for (__mmask16 m = masks[blk]; m; m &= m - 1) {
-          const int c = blk * kLanes + __builtin_ctz(m);
-          const float* code = codes + static_cast<size_t>(c) * d;
-          __m512 dot = _mm512_setzero_ps();
-          for (int j = 0; j < d; j += kLanes)
-            dot = _mm512_fmadd_ps(_mm512_loadu_ps(r[i] + j), _mm512_loadu_ps(code + j), dot);
-          const float dist = norms[c] - 2.f * _mm512_reduce_add_ps(dot);
-          const bool closer = dist < best;  // ascending codes: the lowest index among equals
-          best = closer ? dist : best;
-          found = closer ? c : found;
-        }
+    for (int c0 = 0; c0 < C; c0 += 64) {
+      uint64_t bits;
+      std::memcpy(&bits, masks + c0 / kLanes, sizeof bits);
+      for (; bits; bits &= bits - 1) {
+        const int c = c0 + __builtin_ctzll(bits);
+        const float* code = codes + static_cast<size_t>(c) * d;
+        __m512 dot = _mm512_setzero_ps();
+        for (int j = 0; j < d; j += kLanes)
+          dot = _mm512_fmadd_ps(_mm512_loadu_ps(r[i] + j), _mm512_loadu_ps(code + j), dot);
+        const float dist = norms[c] - 2.f * _mm512_reduce_add_ps(dot);
+        const bool closer = dist < best;  // ascending codes: the lowest index among equals
+        best = closer ? dist : best;
+        found = closer ? c : found;
       }
+    }
     out[i] = found;
   }
 }

@@ -1068,7 +1068,7 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
 // tokens go and multiplied out once at the end. Tables are laid out [g K + k][C][W]: a
 // codeword's row holds the M query vectors' entries in W lanes (4 for up to 4 vectors, as
 // SmolLM2's 3 query heads per KV head, else M rounded up to 16; zeros past M), read and
-// added by whole aligned vectors.
+// added by whole vectors (a 4-lane row never straddles a cache line).
 struct RvqTables {
   int W = 0;                        // row width
   std::vector<float> keys, values;  // [n K C W] each, where used
