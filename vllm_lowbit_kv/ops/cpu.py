@@ -158,7 +158,7 @@ class Descriptors:
     value: list[int]
     fft_map: torch.Tensor  # float32 [n1, n1] (A transposed, A: components -> channels), or empty
     codebooks: torch.Tensor  # float32: RVQ keys' codebooks then values' (the layer's), or empty
-    key_columns: torch.Tensor  # float32: RVQ keys' codebooks transposed [K, d^, C], or empty
+    key_columns: torch.Tensor  # float32: RVQ keys' codebooks transposed [K, d^, C] (in search)
     search: torch.Tensor  # float32: the encoder's tables of those codebooks (_search_tables)
     search_pairs: torch.Tensor  # int32: their bf16 pairs (_search_tables)
 
@@ -214,13 +214,14 @@ def _descriptors(fmt: PageFormat) -> Descriptors:
     geometry = [fmt.T, fmt.D, fmt.H, fmt.groups_per_block, fmt.sink_bytes, fmt.state_bytes,
                 fmt.k_bytes]
     codebooks = torch.cat(books).float().contiguous() if books else torch.empty(0)
-    key_columns = (fmt.key_codec.codewords.float().transpose(1, 2).contiguous()
-                   if fmt.key_kind == KEY_RVQ else torch.empty(0))
     tables = [_search_tables(c) for c, rvq in ((fmt.key_codec, fmt.key_kind == KEY_RVQ),
                                                (fmt.value_codec, fmt.val_kind == VAL_RVQ))
               if rvq]
     search = torch.cat([t[0] for t in tables]) if tables else torch.empty(0)
     pairs = torch.cat([t[1] for t in tables]) if tables else torch.empty(0, dtype=torch.int32)
+    # the kernel's key tables read the keys' codebooks transposed: their search tables' head
+    key_columns = (search[:fmt.key_codec.codewords.numel()] if fmt.key_kind == KEY_RVQ
+                   else torch.empty(0))
     return Descriptors(geometry, key, value, fft, codebooks, key_columns, search, pairs)
 
 
