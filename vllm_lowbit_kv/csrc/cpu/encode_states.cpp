@@ -466,8 +466,8 @@ inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
 // so the pass is off by at most 0.0158 ||r|| max||c|| plus its float32 sums' rounding
 // (vdpbf16ps: products of bf16 exact in float32, one rounding per sum; DAZ/FTZ moves a
 // product by under 2^-126 |c_j|). The minimum comes from the registers of the pass; the
-// candidates (about two per row) are found through a bitmap of the 16-code blocks that
-// hold any.
+// candidates (about two per row) are the set bits of the compare masks, read 64 codes at
+// a time.
 // approx: scratch of R * C floats. d a multiple of 16, at most kMaxPairGroup.
 template <int R>
 void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t* out,
