@@ -534,6 +534,8 @@ def new_result(args, device: torch.device, argv: list[str]) -> dict:
         props = dict(capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
                      memory_GiB=round(p.total_memory / 2 ** 30, 1),
                      L2_MiB=round(getattr(p, "L2_cache_size", 0) / 2 ** 20, 1))
+    else:
+        props = dict(isa=machine.isa())
     return dict(
         command=portable.command([sys.executable, "-m", "bench.kernels", *argv]),
         device=device_name(device), device_type=device.type, device_properties=props,

@@ -18,6 +18,23 @@ def cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
+#: the CPU features the kernels' speed depends on (csrc/cpu: vector width, bf16 products,
+#: byte permutes), as /proc/cpuinfo names them
+ISA_FLAGS = ("avx2", "avx512f", "avx512vbmi", "avx512_bf16", "avx512_vnni", "amx_tile")
+
+
+def isa() -> list[str]:
+    """Which of :data:`ISA_FLAGS` the CPU has (empty where /proc/cpuinfo is unreadable)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return [f for f in ISA_FLAGS if f in flags]
+    except OSError:
+        pass
+    return []
+
+
 def describe() -> dict[str, object]:
-    """``{"cpu", "cores", "platform"}`` for a result's ``machine`` field."""
-    return dict(cpu=cpu_name(), cores=os.cpu_count(), platform=platform.platform())
+    """``{"cpu", "isa", "cores", "platform"}`` for a result's ``machine`` field."""
+    return dict(cpu=cpu_name(), isa=isa(), cores=os.cpu_count(), platform=platform.platform())

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import portable
+from bench import machine, portable
 from bench.plotting import pyplot, save
 from bench.server import (STATS_ROUTE, Server, ServerRefused, measurement_server, metric_value, metrics_text,
                           percentiles)
@@ -362,8 +362,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         command=portable.command(["python", "-m", "bench.throughput", *argv], [args.model]),
         server_command="env -u VLLM_CPU_KVCACHE_SPACE "
         + portable.command(probe.command(), [args.model]),
-        model=portable.model_name(args.model), kv_cache_bytes=int(args.kv_cache_mib * MIB),
-        requests=args.requests,
+        model=portable.model_name(args.model), machine=machine.describe(),
+        kv_cache_bytes=int(args.kv_cache_mib * MIB), requests=args.requests,
         prompt_tokens=[lo, hi], prompt_tokens_total=sum(len(p) for p in prompts),
         output_tokens=args.output_tokens, rates=[r if not math.isinf(r) else "inf" for r in rates],
         seed=args.seed, max_num_seqs=args.max_num_seqs, chunk=args.chunk, dtypes=dtypes,

@@ -46,6 +46,8 @@ FORMATS = [
     ("vidkv_k15v2", {}), ("vidkv", {"fft": False}), ("vidkv", {"one_bit": "sign"}),
     ("vidkv", {"one_bit": "minmax", "k": 0.75}), ("kivi2", {"group_size": 16}),
     ("vidkv_stp", {"protect": 0.3}), ("vidkv_visual", {}),
+    # value codes per token in groups, decoded a vector at a time: 4- and 8-bit words
+    ("kivi4", {"group_size": 16}), ("kivi4", {"bits": 8, "group_size": 16}),
 ]
 #: RVQ pages (seeded random codebooks): the paper's 11-bit indices and 8-bit ones; keys in
 #: strided channel groups, values in contiguous ones

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "descriptors.h"
+#include "vectors.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -319,10 +320,11 @@ void ternary_value(const float* x, int T, int D, const int64_t* d, float gamma, 
 }
 
 // -- RVQ (rvq.py, seed 001) -------------------------------------------------------------
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
+constexpr int kLanes = 16;       // codes per vector of the bf16 pass (C: a multiple of it)
 constexpr int kCodeVectors = 8;  // 128 codes' distances in registers per pass over r
+// the float32 search's vectors (vectors.h: L lanes) per pass: the same with AVX-512; with
+// AVX2's 16 registers, 2 rows x 4 distances, their best and code, a code and 2 broadcasts
+constexpr int kSearchVectors = L == 16 ? kCodeVectors : 4;
 constexpr int kSearchRows = 2;   // residual rows searched together (sharing code loads)
 constexpr int kMaxPairGroup = 128;  // widest channel group of the bf16 pass
 constexpr int kMaxCodes = 1 << 16;  // codes per codebook (indices of at most 16 bits)
@@ -363,7 +365,7 @@ struct RvqBooks {
   }
 };
 
-// distances ||c||^2 - 2 r.c of NV * 16 codes from c0 (cols: [d, C]) for the R residual
+// distances ||c||^2 - 2 r.c of NV * L codes from c0 (cols: [d, C]) for the R residual
 // rows r[R][d]; per row and lane, the smaller distance into best / code (a strict < keeps
 // the earlier code, as argmin). R rows share each load of the codes.
 template <int R, int NV>
@@ -372,7 +374,7 @@ inline void search_codes(const float* const* r, int d, const float* cols, const 
   vf acc[R][NV];
   for (int v = 0; v < NV; ++v) {
     vf n;
-    std::memcpy(&n, norms + c0 + v * kLanes, sizeof(vf));
+    std::memcpy(&n, norms + c0 + v * L, sizeof(vf));
     for (int i = 0; i < R; ++i) acc[i][v] = n;
   }
   for (int j = 0; j < d; ++j) {
@@ -381,16 +383,16 @@ inline void search_codes(const float* const* r, int d, const float* cols, const 
     for (int i = 0; i < R; ++i) w[i] = -2.f * r[i][j];
     for (int v = 0; v < NV; ++v) {
       vf c;
-      std::memcpy(&c, row + v * kLanes, sizeof(vf));
+      std::memcpy(&c, row + v * L, sizeof(vf));
       for (int i = 0; i < R; ++i) acc[i][v] += w[i] * c;
     }
   }
-  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vi lane = iota();
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < NV; ++v) {
       const vi closer = acc[i][v] < best[i];
       best[i] = closer ? acc[i][v] : best[i];
-      code[i] = closer ? lane + (c0 + v * kLanes) : code[i];
+      code[i] = closer ? lane + (c0 + v * L) : code[i];
     }
 }
 
@@ -403,18 +405,18 @@ void nearest_codes(const float* const* r, const RvqBooks& b, int k, int32_t* out
   vf best[R];
   vi code[R];
   for (int i = 0; i < R; ++i)
-    for (int l = 0; l < kLanes; ++l) {
+    for (int l = 0; l < L; ++l) {
       best[i][l] = std::numeric_limits<float>::infinity();
       code[i][l] = l;
     }
   int c0 = 0;
-  for (; c0 + kCodeVectors * kLanes <= b.C; c0 += kCodeVectors * kLanes)
-    search_codes<R, kCodeVectors>(r, b.d, cols, norms, b.C, c0, best, code);
-  for (; c0 < b.C; c0 += kLanes) search_codes<R, 1>(r, b.d, cols, norms, b.C, c0, best, code);
+  for (; c0 + kSearchVectors * L <= b.C; c0 += kSearchVectors * L)
+    search_codes<R, kSearchVectors>(r, b.d, cols, norms, b.C, c0, best, code);
+  for (; c0 < b.C; c0 += L) search_codes<R, 1>(r, b.d, cols, norms, b.C, c0, best, code);
   for (int i = 0; i < R; ++i) {
     int32_t c = code[i][0];
     float dist = best[i][0];
-    for (int l = 1; l < kLanes; ++l)
+    for (int l = 1; l < L; ++l)
       if (best[i][l] < dist || (best[i][l] == dist && code[i][l] < c)) {
         dist = best[i][l];
         c = code[i][l];

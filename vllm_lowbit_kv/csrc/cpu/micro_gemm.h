@@ -52,8 +52,11 @@ class TilePool {
   float* base_;
 };
 
-constexpr int kScoreRows = 6;  // query rows per score block (6 x 4 accumulators)
-constexpr int kValueRows = 4;  // probability rows per value block (4 x 4 accumulators)
+constexpr int kScoreRows = 6;  // query rows per score block (6 x kBlockVectors accumulators)
+constexpr int kValueRows = 4;  // probability rows per value block (4 x kBlockVectors)
+// vectors per block row: the accumulators, a row of B and a broadcast fill the registers
+// (32 with AVX-512, 16 with AVX2)
+constexpr int kBlockVectors = L == 16 ? 4 : 2;
 
 template <int N>
 using Int = std::integral_constant<int, N>;
@@ -134,7 +137,7 @@ inline void tile_scores(const typename P::Elem* q, int M, int64_t D, const typen
                         int64_t ldk, int n, float* sc, int64_t ldc) {
   const int64_t K = D / P::kPack;
   in_blocks<kScoreRows>(M, [&](auto R, int64_t m) {
-    in_blocks<4>(n / L, [&](auto NV, int64_t j) {
+    in_blocks<kBlockVectors>(n / L, [&](auto NV, int64_t j) {
       score_block<P, decltype(R)::value, decltype(NV)::value>(q + m * K, K, kt + j * L, ldk,
                                                               sc + m * ldc + j * L, ldc);
     });
@@ -169,7 +172,7 @@ inline void tile_values(const typename P::Elem* p, int64_t ldp, int M,
                         const typename P::Elem* v, int64_t D, int n, float* o) {
   const int steps = (n + P::kPack - 1) / P::kPack;
   in_blocks<kValueRows>(M, [&](auto R, int64_t m) {
-    in_blocks<4>(D / L, [&](auto CW, int64_t c) {
+    in_blocks<kBlockVectors>(D / L, [&](auto CW, int64_t c) {
       value_block<P, decltype(R)::value, decltype(CW)::value>(p + m * ldp, ldp, v, D, c * L,
                                                               steps, o + m * D);
     });

@@ -41,8 +41,8 @@
 // multiplied out once at the end); otherwise, and for tiles, decoded one group at a time
 // and read as dense rows.
 //
-// Vectors are GCC/Clang vector extensions (16 floats): AVX-512 with
-// -march=native on this machine, split into narrower registers elsewhere.
+// Vectors are GCC/Clang vector extensions of the build's register width (vectors.h: 16
+// floats with AVX-512, 8 with AVX2).
 //
 // The page formats come from Python (vllm_lowbit_kv/ops/cpu.py) as integer
 // descriptors: byte offsets of every field of one group state, in the order
@@ -139,7 +139,7 @@ inline uint16_t mask16(const uint8_t* p, int c0) {
 
 // Flat b-bit codes [0, count) of a stream of `bytes` bytes (little-end first) -> floats.
 // dst holds round_up(count) floats (the tail lanes get whatever codes follow, or 0).
-// 16 codes start on a 16-bit (1 bit) or 32-bit boundary, so their words are spread over
+// L codes start on a byte (1 bit) or 32-bit boundary, so their words are spread over
 // the lanes by one shuffle.
 template <int BITS>
 void decode_codes_bits(const uint8_t* src, int64_t bytes, int64_t count, float* dst) {
@@ -155,8 +155,10 @@ void decode_codes_bits(const uint8_t* src, int64_t bytes, int64_t count, float* 
     else
       std::memcpy(&w, src + byte0, size_t(bytes - byte0));
     vu words;
-    if constexpr (BITS <= 2) {
+    if constexpr (L * BITS <= 32) {
       words = vu{} + w[0];
+    } else if constexpr (L == 8) {  // 8-bit codes
+      words = __builtin_shufflevector(w, w, 0, 0, 0, 0, 1, 1, 1, 1);
     } else if constexpr (BITS == 4) {
       words = __builtin_shufflevector(w, w, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     } else {
@@ -314,7 +316,7 @@ int repack_rows(const uint8_t* src, int n, int J, int bits, uint32_t* words, int
 }
 
 // out[m * TP + i] += sum_j w[m * J + j] code(i, j) for MB query vectors from m0, over
-// repacked rows; vectorized over 16 rows, query vectors in registers.
+// repacked rows; vectorized over L rows, query vectors in registers.
 template <int MB>
 void column_scores(const uint32_t* words, int W, int TP, int J, int bits, const float* w,
                    float* out, int m0) {
@@ -490,10 +492,10 @@ void lut_column_scores(const uint32_t* words, int TP, int J, int bits, const flo
 #endif
 
 // acc_w[m * D + c] = sum_i p[m * TP + pos[i]] x[i * D + c] for MB query vectors from m0,
-// psum[m] = sum_i p[m * TP + pos[i]]; vectorized over 16 channels, sums in registers.
-// x is a row source: row(i, c) gives channels [c, c + 16) of row i as floats.
+// psum[m] = sum_i p[m * TP + pos[i]]; vectorized over L channels, sums in registers.
+// x is a row source: row(i, c) gives channels [c, c + L) of row i as floats.
 inline vf load_row(const float* x) { return loadf(x); }
-// 16 int8 -> floats (GCC's generic conversion of byte vectors is scalarized)
+// L int8 -> floats (GCC's generic conversion of byte vectors is scalarized)
 inline vf load_row(const int8_t* x) {
 #if defined(__AVX512F__)
   const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)x)));
@@ -514,7 +516,7 @@ struct DenseRows {  // rows of D floats or int8
   vf row(int i, int c) const { return load_row(x + int64_t(i) * D + c); }
 };
 
-// rows of D b-bit codes (b = 2, 4, 8), rows back to back: decoded 16 at a time in registers
+// rows of D b-bit codes (b = 2, 4, 8), rows back to back: decoded L at a time in registers
 template <int BITS>
 struct CodeRows {
   const uint8_t* codes;
@@ -562,7 +564,7 @@ struct CodeRows {
   }
 };
 
-// channels [c0, c0 + NV * 16): each probability is loaded once per block
+// channels [c0, c0 + NV * L): each probability is loaded once per block
 template <int MB, int NV, typename X>
 void row_sums_block(const X& x, const int* pos, int rows, const float* p, int TP, float* acc_w,
                     int D, int m0, int c0) {
@@ -1067,7 +1069,7 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
 // over the tokens whose index at (g, k) is j) c_k[j], weights summed per codeword as the
 // tokens go and multiplied out once at the end. Tables are laid out [g K + k][C][W]: a
 // codeword's row holds the M query vectors' entries in W lanes (4 for up to 4 vectors, as
-// SmolLM2's 3 query heads per KV head, else M rounded up to 16; zeros past M), read and
+// SmolLM2's 3 query heads per KV head, else M rounded up to L; zeros past M), read and
 // added by whole vectors (a 4-lane row never straddles a cache line).
 struct RvqTables {
   int W = 0;                        // row width
@@ -1089,7 +1091,7 @@ bool rvq_tables_pay(const RvqShape& r, int D, int M, int64_t tokens) {
 
 size_t rvq_table_floats(const RvqShape& r, int W) { return size_t(r.n) * r.K * r.C * W; }
 
-// keys[((g K + k) C + j) W + m] = q_m,g . c_k[j] (q already scaled), 16 codes at a time
+// keys[((g K + k) C + j) W + m] = q_m,g . c_k[j] (q already scaled), L codes at a time
 // from the codebooks transposed (columns [K][d^][C])
 void rvq_key_table(const RvqShape& r, const float* columns, const float* q, int M, int D,
                    RvqTables& tab) {
@@ -1112,7 +1114,7 @@ void rvq_key_table(const RvqShape& r, const float* columns, const float* q, int 
             vf acc = vf{};
             for (int i = 0; i < gs; ++i) acc += splat(qm[i]) * loadf(bt + size_t(i) * C + j0);
             storef(lanes, acc);
-          } else {  // the last codes of a codebook whose size is not a multiple of 16
+          } else {  // the last codes of a codebook whose size is not a multiple of L
             for (int j = 0; j < jb; ++j) {
               lanes[j] = 0.f;
               for (int i = 0; i < gs; ++i) lanes[j] += qm[i] * bt[size_t(i) * C + j0 + j];
@@ -1124,7 +1126,7 @@ void rvq_key_table(const RvqShape& r, const float* columns, const float* q, int 
     }
 }
 
-// VW floats (4 or 16) as one vector
+// VW floats (4 or L) as one vector
 template <int VW>
 struct Lanes {
   typedef float V __attribute__((vector_size(4 * VW)));
@@ -1212,7 +1214,7 @@ void rvq_rescale(RvqTables& tab) {
   }
 }
 
-// n <= 16 floats at p as a vector (16 loaded where there are; zeros past n otherwise, so
+// n <= L floats at p as a vector (L loaded where there are; zeros past n otherwise, so
 // that nothing past a codebook's end is read)
 inline vf code_slice(const float* p, int n) {
   if (n >= L) return loadf(p);
@@ -1222,7 +1224,7 @@ inline vf code_slice(const float* p, int n) {
 }
 
 // acc[m * D + c] += the value table multiplied out: sum_{g,k,j} w_gkj,m c_k[j] at the
-// channels of group g (16 channels at a time in registers, two sums over the codes)
+// channels of group g (L channels at a time in registers, two sums over the codes)
 void rvq_fold_values(const RvqShape& r, const float* books, const RvqTables& tab, int M, int D,
                      float* acc, Scratch& s) {
   float* z = s.meta.data();  // one group's channels [d^] (+ slack)

@@ -1,5 +1,5 @@
-// 16-float vectors (GCC/Clang vector extensions: AVX-512 with -march=native where the CPU
-// has it, narrower registers elsewhere) and the softmax helpers both CPU kernels use.
+// Vectors of the build's own register width (GCC/Clang vector extensions, -march=native:
+// 16 floats with AVX-512, else 8) and the softmax helpers both CPU kernels use.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +9,13 @@ namespace lowbit_kv {
 namespace {
 
 // -- vectors ------------------------------------------------------------------------------
-constexpr int L = 16;  // lanes
+// lanes: a wider generic vector than the registers is kept in memory by GCC and moved
+// through it piece by piece (the kernels ran 8-15x slower that way on AVX2)
+#if defined(__AVX512F__)
+constexpr int L = 16;
+#else
+constexpr int L = 8;
+#endif
 typedef float vf __attribute__((vector_size(4 * L)));
 typedef int32_t vi __attribute__((vector_size(4 * L)));
 typedef uint32_t vu __attribute__((vector_size(4 * L)));
