@@ -80,7 +80,7 @@ LDFLAGS = ("-fopenmp",)
 LIBRARY = "lowbit_kv_cpu"  # the library; its ops are torch.ops.lowbit_kv.*
 
 name = "cpp"
-LANES = 16  # floats per vector in the kernel: head_dim must be a multiple
+LANES = 16  # floats per vector in the widest build (AVX-512): head_dim must be a multiple
 #: what dense_attention takes: bf16 only. float32 runs (the engines' parity checks) keep
 #: torch's attention, the transformers engine's own arithmetic: a last-bit difference in a
 #: first chunk's hidden states flips 1- and 2-bit codes of the next layers' pages and moved

@@ -139,8 +139,8 @@ inline uint16_t mask16(const uint8_t* p, int c0) {
 
 // Flat b-bit codes [0, count) of a stream of `bytes` bytes (little-end first) -> floats.
 // dst holds round_up(count) floats (the tail lanes get whatever codes follow, or 0).
-// L codes start on a byte (1 bit) or 32-bit boundary, so their words are spread over
-// the lanes by one shuffle.
+// L codes of b bits start at a multiple of L b bits (of 32 from 4 bits up), so their
+// words are spread over the lanes by one shuffle.
 template <int BITS>
 void decode_codes_bits(const uint8_t* src, int64_t bytes, int64_t count, float* dst) {
   typedef uint32_t v4u __attribute__((vector_size(16)));
