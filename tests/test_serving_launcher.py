@@ -54,6 +54,8 @@ VLLM_NOTICES = [
     r"Model Runner V2 requires Triton; using the V1 model runner instead",
     r"NUMA binding: Using MEMBIND policy",
     r"FutureWarning: `torch\.distributed\.reduce_op` is deprecated",
+    # CPUs without AVX-512 BF16 (an AVX2-only EPYC): vLLM's bf16 linear layers in torch
+    r"Failed to create oneDNN linear, fallback to torch linear",
 ]
 #: the one notice eviction brings, named by the issue: vLLM's about a custom scheduler
 SCHEDULER_NOTICE = r"Using custom scheduler class vllm_lowbit_kv\.vllm\.eviction\.EvictingScheduler"
