@@ -7,15 +7,20 @@ import platform
 from pathlib import Path
 
 
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (the ISA and speed of a run depend on it)."""
+def _cpuinfo(field: str) -> str | None:
+    """The value of the first ``field`` line of /proc/cpuinfo (None where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "cpu"
+    return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (the ISA and speed of a run depend on it)."""
+    return _cpuinfo("model name") or platform.processor() or "cpu"
 
 
 #: the CPU features the kernels' speed depends on (csrc/cpu: vector width, bf16 products,
@@ -25,14 +30,8 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512vbmi", "avx512_bf16", "avx512_vnni", "amx
 
 def isa() -> list[str]:
     """Which of :data:`ISA_FLAGS` the CPU has (empty where /proc/cpuinfo is unreadable)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return [f for f in ISA_FLAGS if f in flags]
-    except OSError:
-        pass
-    return []
+    flags = set((_cpuinfo("flags") or "").split())
+    return [f for f in ISA_FLAGS if f in flags]
 
 
 def describe() -> dict[str, object]:
