@@ -31,8 +31,10 @@ from; none is invented:
   ``used + free = num_gpu_blocks - 1``. Not available with ``--disable-log-stats``;
 * staging slots, evicted pairs: only the workers know them. They come from
   ``engine_client.collective_rpc("lowbit_kv_stats")``
-  (:mod:`vllm_lowbit_kv.kv_stats`) on every call of the route and every
-  :data:`REFRESH_S` seconds in the background (``LOWBIT_KV_STATS_REFRESH_S``);
+  (:mod:`vllm_lowbit_kv.kv_stats`) on every call of the route and, in the
+  background, every :data:`REFRESH_S` seconds (``LOWBIT_KV_STATS_REFRESH_S``)
+  while the engine runs steps (they change in steps only; an idle engine is not
+  asked, see :meth:`KVStats.refresh_while_stepping`);
   the gauges show the latest answer and the route states its age. Every rank
   answers (tensor / pipeline parallelism): its staging slots, KV bytes and
   evicted pairs are added up (:func:`merge_ranks`), so the figures are the
@@ -288,14 +290,24 @@ class KVStats:
             except Exception as e:  # noqa: BLE001 - a dead or busy engine must not break the route
                 self.worker_error = f"{type(e).__name__}: {e}"[:500]
 
-    async def _refresh_forever(self) -> None:
+    def stepped_since_answer(self) -> bool:
+        """The engine reported a step after the worker's last answer (vLLM's SchedulerStats;
+        never without them, ``--disable-log-stats``: then only the route refreshes)."""
+        return any(t > self.worker_t for t, _ in self.latest_scheduler.values())
+
+    async def refresh_while_stepping(self) -> None:
+        """Every :data:`REFRESH_S` seconds, ask the workers only if the engine stepped since
+        their last answer. Asking an idle engine would cost a core: after every message
+        vLLM's worker busy-polls its queue for a second (``SpinCondition.busy_loop_s``),
+        so an RPC every 2 s kept an idle server's worker at 50-90% CPU."""
         while True:
-            await self.refresh_worker()
             await asyncio.sleep(REFRESH_S)
+            if self.stepped_since_answer():
+                await self.refresh_worker()
 
     async def start(self) -> "KVStats":
         await self.refresh_worker(timeout=120.0)
-        self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
+        self._task = asyncio.get_running_loop().create_task(self.refresh_while_stepping())
         return self
 
     # ------------------------------------------------------------------ figures

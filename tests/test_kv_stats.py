@@ -158,3 +158,21 @@ def test_figures_follow_a_running_request_and_return_to_idle(server):
     stats = get_json(port, STATS_ROUTE)
     assert stats["blocks"]["used"] == 0 and stats["blocks"]["running_requests"] == 0
     assert stats["staging"]["slots_in_use"] == 0
+
+
+def test_an_idle_server_costs_no_cpu(server):
+    """The background refresh of the worker figures asks the workers only while the engine
+    steps: after each message vLLM's worker busy-polls its queue for a second, so asking
+    every 2 s kept an idle server's worker at 50-90% of a core (what made a CI machine with
+    three servers up crawl)."""
+    import psutil
+
+    wait_idle(server)  # its own route calls ask the worker: let that second of polling pass
+    time.sleep(3)
+    workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+               if "Worker" in p.name() or "Worker" in " ".join(p.cmdline())]
+    assert workers, [p.name() for p in psutil.Process(server.proc.pid).children(recursive=True)]
+    before = sum(sum(p.cpu_times()[:2]) for p in workers)
+    time.sleep(8)
+    busy = sum(sum(p.cpu_times()[:2]) for p in workers) - before
+    assert busy < 0.8, f"idle workers used {busy:.1f} CPU seconds in 8 s"
