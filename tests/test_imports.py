@@ -114,11 +114,55 @@ def test_library_does_not_import_bench_tests_or_serving():
     assert {k: v for k, v in bad.items() if v} == {}
 
 
+#: imports each module named on its command line in a process forked from one that has
+#: imported only torch (third-party, and imported by nearly every module: the 5 s of importing
+#: it once per module are most of this check's time), as many at a time as there are cores;
+#: prints each module's exit code, its traceback in DIR/NAME.err
+_IMPORT_EACH = r"""
+import importlib, os, sys, traceback
+import torch  # noqa: F401
+out, names, running = sys.argv[1], sys.argv[2:], {}
+
+
+def reap():
+    pid, status = os.wait()
+    print(running.pop(pid), os.waitstatus_to_exitcode(status), flush=True)
+
+
+for name in names:
+    if len(running) >= (os.cpu_count() or 1):
+        reap()
+    pid = os.fork()
+    if pid == 0:
+        with open(os.path.join(out, name + ".err"), "w") as err:
+            try:
+                importlib.import_module(name)
+            except BaseException:
+                traceback.print_exc(file=err)
+                err.flush()
+                os._exit(1)
+        os._exit(0)
+    running[pid] = name
+while running:
+    reap()
+"""
+
+
+@pytest.fixture(scope="module")
+def imported_alone(tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """Each module's exit code and traceback, imported in a fresh process of its own."""
+    out = tmp_path_factory.mktemp("imports")
+    r = subprocess.run([sys.executable, "-c", _IMPORT_EACH, str(out), *sorted(MODULES)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    codes = dict(line.split() for line in r.stdout.splitlines())
+    return {name: (int(code), (out / f"{name}.err").read_text()) for name, code in codes.items()}
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
-def test_module_imports_alone(name):
+def test_module_imports_alone(name, imported_alone):
     """Each module in a fresh interpreter: no import-order dependence hidden by the others."""
     if name.startswith(f"{PACKAGE}.ops.triton"):
         pytest.importorskip("triton")
-    r = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, traceback = imported_alone[name]
+    assert code == 0, traceback[-3000:]
