@@ -452,6 +452,30 @@ def test_release_blocks_of_ended_request():
     assert wp.stage_slot.tolist() == [alloc.slot_of[6 * N]]
 
 
+@pytest.mark.parametrize("window", [0, 2])
+def test_release_of_a_stale_block_list_keeps_the_new_owners_slot(window):
+    """vLLM frees a preempted request's blocks at once and may hand them to another
+    request, which stages tokens in them; when the first request ends later (aborted while
+    waiting), the runner still lists its old blocks. Their slots are the new owner's now."""
+    layout, pages, staging, alloc = make("kivi2", window=window, slots=window + 2)
+    bs, N = layout.block_size, layout.groups_per_block
+    table = torch.tensor([[3]])
+
+    def step(owner, start, n):
+        pos = torch.arange(start, start + n)
+        return alloc.plan_step(table[0][pos // bs] * bs + pos % bs, [start + n], [0, n], table,
+                               N, owners=[owner])
+
+    step("A", 0, 5)  # A stages 5 tokens in block 3, then is preempted: its slot returns
+    assert alloc.release_blocks([3], N, ["A"]) == 1 and alloc.in_use == 0
+    step("B", 0, 1)  # block 3 is B's now: one token staged
+    assert alloc.release_blocks([3], N, ["A"]) == 0  # A aborted while waiting
+    assert alloc.in_use == 1
+    _, read = step("B", 1, 1)  # B reads its first token from its slot
+    assert [int(s) for s in read.tail_slot] == [alloc.slot_of[3 * N]]
+    assert alloc.release_blocks([3], N, ["B"]) == 1 and alloc.in_use == 0
+
+
 def test_apply_writes_without_positions_still_encodes():
     """Engines without positions (no sinks, no STP) keep working."""
     layout, pages, staging, alloc = make()

@@ -176,7 +176,8 @@ class StagingAllocator:
     A slot is taken when a group's first token is written; a complete group keeps
     it while it is among its sequence's last W complete groups, and returns it in
     the step that moves it out (or at once with W = 0); the engine returns the
-    slots of finished, aborted and preempted requests (:meth:`release_blocks`). So
+    slots of finished, aborted and preempted requests (:meth:`release_blocks`, by
+    owner: their blocks may already be another sequence's). So
     ``W + 1`` slots per running sequence always suffice: a step returns the slots
     it moves out of windows before it hands out new ones. A group restarted at
     offset 0 whose gid still holds a slot (its block's previous owner ended
@@ -237,16 +238,21 @@ class StagingAllocator:
             self._disown(slot)
             self.free.append(slot)
 
-    def release_blocks(self, block_ids, groups_per_block: int) -> int:
-        """Free the slots of every staged group in these blocks (their request ended).
+    def release_blocks(self, block_ids, groups_per_block: int, owners=None) -> int:
+        """Free the slots of the staged groups in these blocks of ended requests
+        (``owners``: theirs; None: every slot in the blocks).
 
-        Call before the step is planned; safe for blocks already handed to a new
-        owner, whose writes only start in that step, at offset 0.
+        Call before the step is planned. A slot another sequence owns stays: vLLM can
+        hand the blocks of a preempted request to another request, which stages tokens
+        in them, before the first one ends (its runner state keeps the old block ids).
         """
+        ended = None if owners is None else set(owners)
         freed = 0
         for b in block_ids:
             for g in range(b * groups_per_block, (b + 1) * groups_per_block):
-                if g in self.slot_of:
+                slot = self.slot_of.get(g)
+                if slot is not None and (ended is None or self.owner_of[slot] is None
+                                         or self.owner_of[slot] in ended):
                     self._release(g)
                     freed += 1
         return freed
@@ -354,14 +360,16 @@ class StagingAllocator:
         ug, mins = ugid.tolist(), min_off.tolist()
         owner, index = [None] * n, [-1] * n
         keep = [not c for c in complete]  # groups holding a slot after this step
+        if req is not None and owners is not None:  # every slot records its sequence
+            rrow = req.to("cpu", torch.long)[tok]
+            g_req = torch.zeros(n, dtype=torch.long).scatter_(0, inv, rrow).tolist()
+            owner = [owners[r] for r in g_req]
         if windowed:
             pos = positions.to("cpu", torch.long)[tok]
-            rrow = req.to("cpu", torch.long)[tok]
             g_index = torch.zeros(n, dtype=torch.long).scatter_(0, inv, pos // T).tolist()
-            g_req = torch.zeros(n, dtype=torch.long).scatter_(0, inv, rrow).tolist()
             keep_from = [L // T - W for L in seq_lens]  # first group index still in the window
             for i in range(n):
-                owner[i], index[i] = owners[g_req[i]], g_index[i]
+                index[i] = g_index[i]
                 keep[i] = keep[i] or index[i] >= keep_from[g_req[i]]
             # groups this step moves out of their owners' windows (read by this step, so the
             # slots are reused only by writes that follow the reads in every layer)

@@ -175,7 +175,7 @@ def release_ended_requests(runner, scheduler_output) -> None:
     blocks = {b for state in states for ids in state.block_ids for b in ids}
     if blocks:
         for builder in list(_BUILDERS):
-            builder.release_blocks(blocks)
+            builder.release_blocks(blocks, ended)
     forget_requests(state.block_ids[0][0] for state in states if state.block_ids[0])
     compact_ordered(runner, scheduler_output, _BUILDERS)
 
@@ -243,8 +243,8 @@ class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
         self.protects = scheme.uses_relevance
         _BUILDERS.add(self)
 
-    def release_blocks(self, block_ids) -> None:
-        freed = self.alloc.release_blocks(block_ids, self.layout.groups_per_block)
+    def release_blocks(self, block_ids, request_ids) -> None:
+        freed = self.alloc.release_blocks(block_ids, self.layout.groups_per_block, request_ids)
         if freed or LOG_STAGING:
             (logger.info if LOG_STAGING else logger.debug)(
                 "lowbit-kv: freed %d staging slots of ended requests (%d in use)",
