@@ -88,7 +88,9 @@ def _metric(srv: Server, name: str) -> float:
     return value
 
 
-def _stream(srv: Server, ids, n, events: list) -> None:
+def _stream(srv: Server, ids, n, events: list, hang_up: threading.Event) -> None:
+    """Stream a completion into ``events`` ((time, text), then (time, None) at its end),
+    hanging up (vLLM aborts the request) once ``hang_up`` is set."""
     c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=1200)
     c.request("POST", "/v1/completions", json.dumps(dict(
         model=srv.model_name, prompt=ids, max_tokens=n, temperature=0, ignore_eos=True,
@@ -98,7 +100,10 @@ def _stream(srv: Server, ids, n, events: list) -> None:
         line = line.strip()
         if line.startswith(b"data: ") and line != b"data: [DONE]":
             events.append((time.time(), json.loads(line[6:])["choices"][0]["text"]))
-    events.append((time.time(), None))
+        if hang_up.is_set():
+            break
+    else:
+        events.append((time.time(), None))
     c.close()
 
 
@@ -114,7 +119,8 @@ def test_freed_blocks_are_given_back_and_reused(model_dir, tmp_path):
                              extra_args=["--num-gpu-blocks-override", str(BLOCKS), "--block-size", str(BS)])
     with srv:
         events: list = []
-        a = threading.Thread(target=_stream, args=(srv, a_ids, 400, events))
+        hang_up = threading.Event()
+        a = threading.Thread(target=_stream, args=(srv, a_ids, 400, events, hang_up))
         a.start()
         t0 = time.time()
         while "compacted" not in srv.log_text() or len(events) < 3:
@@ -130,11 +136,11 @@ def test_freed_blocks_are_given_back_and_reused(model_dir, tmp_path):
         assert kept + 1 <= held <= kept + 1 + 3, held  # + blocks of the tokens decoded so far
         # B needs 16 free blocks: only there because A gave 8 back
         b = srv.completion(prompt=b_ids, max_tokens=8, temperature=0, ignore_eos=True)
-        b_done = time.time()
         assert len(tok(b["text"], add_special_tokens=False).input_ids) >= 1
-        a.join(1200)
-        assert events[-1][1] is None and b_done < events[-1][0], "B waited for A to finish"
-        assert len("".join(t for _, t in events if t)) > 0
+        assert None not in [t for _, t in events], "B waited for A to finish"
+        hang_up.set()  # the rest of A's 400 tokens would only cost time
+        a.join(600)
+        assert not a.is_alive() and len("".join(t for _, t in events if t)) > 0
         assert _metric(srv, "vllm:num_preemptions_total") == 0
         assert len(re.findall(r"compacted, kept pairs per layer", srv.log_text())) == 2
         assert srv.alive
