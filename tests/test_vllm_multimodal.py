@@ -92,24 +92,40 @@ def visual_stats(port: int) -> dict:
     return get_json(port, STATS_ROUTE)["visual"]
 
 
+#: text requests compared whole (choices with log-probs, usage): a long prompt's chunked
+#: prefill and a chat
+TEXT_REQUESTS = [
+    ("/v1/completions", {"prompt": long_prompt(), "max_tokens": 32, "temperature": 0, "logprobs": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name three colors."}],
+                              "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2}),
+]
+
+
 def test_auto_dtype_answers_as_stock_vllm(vlm, tmp_path):
-    """With vLLM's own KV (``--kv-cache-dtype auto``) our launcher changes nothing: the
-    same greedy image requests return what stock vLLM (no plugin) returns. (First in
-    the module, and the two servers start side by side: before this module's packed
+    """With vLLM's own KV (``--kv-cache-dtype auto``) our launcher and plugin change
+    nothing: greedy image requests and text requests (with their log-probs) return what
+    stock vLLM (``VLLM_PLUGINS=none``) returns, and our backend is not selected. (First
+    in the module, and the two servers start side by side: before this module's packed
     server exists, so start-up does not share the two cores with more servers.)"""
     servers = {name: start_server(tmp_path, f"vlm_auto_{name}", ["--kv-cache-dtype", "auto", *COMMON],
                                   stock=stock, model=vlm)
                for name, stock in (("ours", False), ("stock", True))}
     try:
-        answers = {}
+        answers, text = {}, {}
         for name, s in servers.items():
             s.wait_ready(timeout=300)
             answers[name] = [chat(s.port, [3])[0], chat(s.port, [4, 5], stream=True)[0]]
+            text[name] = [post(s.port, path, {"model": model_name(s.port), **body})
+                          for path, body in TEXT_REQUESTS]
     finally:
         for s in servers.values():
             s.stop()
+    assert "using the LOWBIT_KV attention backend" not in servers["ours"].log.read_text()
     assert answers["ours"] == answers["stock"]
     assert all(a.strip() for a in answers["ours"])
+    for (path, _), ours, stock in zip(TEXT_REQUESTS, text["ours"], text["stock"]):
+        assert ours["choices"] == stock["choices"], path
+        assert ours["usage"] == stock["usage"], path
 
 
 @pytest.mark.parametrize("case,stream", [("one image", False), ("one image", True),

@@ -2,10 +2,10 @@
 
 The lowbit server tests share the session's one vidkv server (fixture
 ``server``, tests/_servers.py: STP, sinks, a bf16 layer, chunked prefill, prefix
-caching, only 10 KV blocks so that concurrent requests get preempted). One
-module fixture starts two more short-lived servers side by side:
-``--kv-cache-dtype auto`` through our launcher and stock vLLM
-(``VLLM_PLUGINS=none``), which must answer identically.
+caching, only 10 KV blocks so that concurrent requests get preempted). That
+``--kv-cache-dtype auto`` through our launcher answers exactly as stock vLLM does,
+text and image requests, is tests/test_vllm_multimodal.py's first test (on the VLM,
+whose text path is this model's).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from _servers import (COMMON, LOWBIT, fluent, long_prompt, metric, model_name, post,  # noqa: E402
-                      start_server, wait_idle)
+from _servers import LOWBIT, fluent, long_prompt, metric, model_name, post, wait_idle  # noqa: E402
 from vllm_lowbit_kv.schemes import SCHEMES, get_scheme  # noqa: E402
 from vllm_lowbit_kv.vllm import BACKEND_PATH  # noqa: E402
 from vllm_lowbit_kv.vllm.plugin import register  # noqa: E402
@@ -233,34 +232,3 @@ def test_aborted_requests_leave_nothing_behind(server):
         c.close()
     wait_idle(server)
     assert metric(port, "num_requests_running") == 0
-
-
-@pytest.fixture(scope="module")
-def auto_and_stock(tmp_path_factory):
-    """``--kv-cache-dtype auto`` through our launcher and stock vLLM, started side by side."""
-    tmp = tmp_path_factory.mktemp("auto")
-    servers = [start_server(tmp, "auto", ["--kv-cache-dtype", "auto", *COMMON]),
-               start_server(tmp, "stock", ["--kv-cache-dtype", "auto", *COMMON], stock=True)]
-    try:
-        yield [s.wait_ready() for s in servers]
-    finally:
-        for s in servers:
-            s.stop()
-
-
-@pytest.mark.slow
-def test_auto_is_exactly_stock_vllm(auto_and_stock):
-    auto, stock = auto_and_stock
-    assert "using the LOWBIT_KV attention backend" not in auto.log.read_text()
-    requests = [
-        ("/v1/completions", {"prompt": long_prompt(), "max_tokens": 32, "temperature": 0,
-                             "logprobs": 2}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name three colors."}],
-                                  "max_tokens": 24, "temperature": 0, "logprobs": True,
-                                  "top_logprobs": 2}),
-    ]
-    for path, body in requests:
-        a = post(auto.port, path, {"model": model_name(auto.port), **body})
-        s = post(stock.port, path, {"model": model_name(stock.port), **body})
-        assert a["choices"] == s["choices"], path
-        assert a["usage"] == s["usage"]
