@@ -17,8 +17,8 @@ What the tests hold:
   accepted only at a near-tie.
 
 Each scaled server is compared with a one-process server of the same flags started
-by this module (the scheme's defaults; chunked prefill of 256 tokens; 10 blocks of
-128 tokens): ``vidkv`` (without its retrieval heads, which parallelism refuses) at pp=2,
+by this module (the scheme's defaults, float32 weights; chunked prefill of 256 tokens;
+10 blocks of 128 tokens): ``vidkv`` (without its retrieval heads, which parallelism refuses) at pp=2,
 where each rank must pick the per-layer settings of its own stage's layers. Tensor
 parallelism is checked below the server, where it can fail alone: each rank's pages and
 outputs equal one process's share of the heads (tests/test_tensor_parallel_split.py,
@@ -63,7 +63,10 @@ def _args(dtype):
     # vidkv's retrieval heads are refused with tensor/pipeline parallelism (chosen over the
     # whole model): the scaled-out vidkv is its codec without them, as is the one process
     extra = ["--additional-config", '{"lowbit_kv": {"retrieval_heads": 0}}'] if dtype == "vidkv" else []
-    return ["--kv-cache-dtype", dtype, "--num-gpu-blocks-override", str(NUM_BLOCKS), *COMMON, *extra]
+    # float32 weights in both runs: the split is what is compared, and without AVX-512 BF16
+    # vLLM's bf16 GEMMs take ~5x float32's time
+    return ["--kv-cache-dtype", dtype, "--num-gpu-blocks-override", str(NUM_BLOCKS), *COMMON, *extra,
+            "--dtype", "float32"]
 
 
 def _greedy(port, prompt) -> tuple[list[int], list[dict[str, float]]]:
