@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from _servers import ROOT, STATS_ROUTE, long_prompt
+from _servers import FLOAT32_WEIGHTS, ROOT, STATS_ROUTE, long_prompt
 from bench.server import Server, request
 
 KEY = "lowbit-test-key"
@@ -275,10 +275,8 @@ def servers(tmp_path_factory):
         plain=_main_sh(tmp, "plain", [], kv_space_gib=None),
         evicting=_main_sh(tmp, "evicting", ["--kv-eviction", "flashcache", "--kv-retention", "0.2",
                                             "--block-size", "128", "--max-model-len", "2048",
-                                            "--max-num-seqs", "4", "--api-key", KEY,
-                                            # float32 weights: two 1.5K-token prefills, and without
-                                            # AVX-512 BF16 vLLM's bf16 GEMMs take ~5x float32's time
-                                            "--dtype", "float32"], kv_space_gib=1,
+                                            "--max-num-seqs", "4", "--api-key", KEY, *FLOAT32_WEIGHTS],
+                          kv_space_gib=1,
                           env={"LOWBIT_KV_PRELOAD": "0"}))
     try:
         for s in started.values():

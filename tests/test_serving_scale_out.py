@@ -42,7 +42,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from _servers import COMMON, NUM_BLOCKS, STATS_ROUTE, get_json, model_name, post, start_server  # noqa: E402
+from _servers import (COMMON, FLOAT32_WEIGHTS, NUM_BLOCKS, STATS_ROUTE, get_json, model_name, post,  # noqa: E402
+                      start_server)
 from bench.scale_out import DRIFT_LIMIT_NATS, drift, drift_text, teacher_forced  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -63,10 +64,8 @@ def _args(dtype):
     # vidkv's retrieval heads are refused with tensor/pipeline parallelism (chosen over the
     # whole model): the scaled-out vidkv is its codec without them, as is the one process
     extra = ["--additional-config", '{"lowbit_kv": {"retrieval_heads": 0}}'] if dtype == "vidkv" else []
-    # float32 weights in both runs: the split is what is compared, and without AVX-512 BF16
-    # vLLM's bf16 GEMMs take ~5x float32's time
     return ["--kv-cache-dtype", dtype, "--num-gpu-blocks-override", str(NUM_BLOCKS), *COMMON, *extra,
-            "--dtype", "float32"]
+            *FLOAT32_WEIGHTS]
 
 
 def _greedy(port, prompt) -> tuple[list[int], list[dict[str, float]]]:

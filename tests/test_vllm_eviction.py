@@ -25,6 +25,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from bench.quality import passkey_prompt  # noqa: E402
+from _servers import FLOAT32_WEIGHTS  # noqa: E402
 from _vllm_config import vllm_config  # noqa: E402
 from bench.server import Server, measurement_server, metric_value, metrics_text  # noqa: E402
 
@@ -116,10 +117,8 @@ def test_freed_blocks_are_given_back_and_reused(model_dir, tmp_path):
     assert -(-len(a_ids) // BS) == 16 and -(-len(b_ids) // BS) == 16
     srv = measurement_server(model_dir, "kivi4", chunk=512, max_model_len=3072, max_num_seqs=4,
                              additional_config=EVICTION, kv_space_gib=1, log=tmp_path / "server.log",
-                             # float32 weights: this test counts blocks, and on CPUs without AVX-512
-                             # BF16 vLLM's bf16 GEMMs take ~5x float32's time (2 x 2K-token prefills)
                              extra_args=["--num-gpu-blocks-override", str(BLOCKS), "--block-size", str(BS),
-                                         "--dtype", "float32"])
+                                         *FLOAT32_WEIGHTS])
     with srv:
         events: list = []
         hang_up = threading.Event()

@@ -20,8 +20,8 @@ import pytest
 
 from bench.multimodal import chat_body
 
-from _servers import (COMMON, LOWBIT, STATS_ROUTE, get_json, long_prompt, metric, model_name,
-                      post, start_server, wait_idle)
+from _servers import (COMMON, FLOAT32_WEIGHTS, LOWBIT, STATS_ROUTE, get_json, long_prompt, metric,
+                      model_name, post, start_server, wait_idle)
 
 pytestmark = pytest.mark.slow
 
@@ -107,10 +107,8 @@ def test_auto_dtype_answers_as_stock_vllm(vlm, tmp_path):
     stock vLLM (``VLLM_PLUGINS=none``) returns, and our backend is not selected. (First
     in the module, and the two servers start side by side: before this module's packed
     server exists, so start-up does not share the two cores with more servers.)"""
-    # float32 weights in both (what is compared is the servers, not the dtype; without AVX-512
-    # BF16 vLLM's bf16 GEMMs take ~5x float32's time)
     servers = {name: start_server(tmp_path, f"vlm_auto_{name}",
-                                  ["--kv-cache-dtype", "auto", "--dtype", "float32", *COMMON],
+                                  ["--kv-cache-dtype", "auto", *FLOAT32_WEIGHTS, *COMMON],
                                   stock=stock, model=vlm)
                for name, stock in (("ours", False), ("stock", True))}
     try:
@@ -238,9 +236,7 @@ def test_flashcache_eviction_serves_image_prompts(vlm, tmp_path):
     s = start_server(tmp_path, "vlm_evicting",
                      ["--kv-cache-dtype", "vidkv", "--kv-eviction", "flashcache", "--kv-retention",
                       "0.2", "--block-size", "128", "--max-model-len", "2048", "--max-num-seqs", "4",
-                      # float32 weights: the path is what is tested, and without AVX-512 BF16
-                      # vLLM's bf16 GEMMs take ~5x float32's time on this long prefill
-                      "--dtype", "float32"],
+                      *FLOAT32_WEIGHTS],
                      model=vlm)
     try:
         s.wait_ready(timeout=300)
