@@ -33,9 +33,10 @@ statistics the flips average out of:
 * PPL: |log PPL_vLLM - log PPL_HF| <= 10% of the codec's own log-PPL damage plus
   the bf16-vs-bf16 allowance (measured 0.5-0.9% for kivi2, 1.4-4.6% for
   vidkv_paper; vidkv with retrieval heads costs only 0.021-0.024 nats here, and the
-  two engines differ by 0.003 on this machine's AVX2 kernels, 0.010 on CI's CPU: the
-  code flips above make a scheme's log PPL at least as noisy as bf16's, so a codec
-  this cheap is held to the engines' own floor, not to a fraction of it);
+  two engines differed by 0.003 in an earlier session, by 0.010 on CI's AVX2 CPU and
+  on this one alike: the code flips above make a scheme's log PPL at least as noisy
+  as bf16's, so a codec this cheap is held to the engines' own floor, not to a
+  fraction of it);
 * damage profile: the per-position damage lp_s - lp_bf16 of each engine
   correlates >= 0.8 (measured 0.90 kivi2, 0.94-0.96 vidkv; a different codec's
   profile correlates 0.37-0.41);
