@@ -29,11 +29,18 @@ COMMON = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4", "
           "--max-num-batched-tokens", "256", "--host", "127.0.0.1"]
 LOWBIT = {"protect": 0.2, "sink_tokens": 4, "residual_tokens": 128, "skip_layers": [0]}
 NUM_BLOCKS = 10
+#: the test modules that use ``server``: pytest-xdist runs them in one process, so that it
+#: starts once (tests/conftest.py, which refuses to run a user missing here)
+SHARED_SERVER_MODULES = ("test_kv_stats.py", "test_load_fault.py", "test_prefix_same_step.py",
+                         "test_serving_launcher.py", "test_vllm_multimodal.py", "test_vllm_plugin.py")
 #: for servers whose test is about the path (blocks, eviction, a split, ours vs stock vLLM),
 #: not the model's dtype: on CPUs without AVX-512 BF16 (CI's) vLLM's bf16 GEMMs take ~5x
 #: float32's time (512x576 by 576x1536, one thread: 115 vs 21 ms), and long prefills
 #: dominate those tests. The shared server and the dtype-bound comparisons stay bf16.
 FLOAT32_WEIGHTS = ["--dtype", "float32"]
+#: env of a server with several ranks (tensor/pipeline parallel): the launcher binds each
+#: rank to its CPUs, not to the one share tests/conftest.py gives a pytest-xdist worker
+MULTI_RANK_ENV = {"VLLM_CPU_OMP_THREADS_BIND": None}
 
 
 def start_server(tmp, name, args, stock=False, model=None, **env_extra) -> Server:

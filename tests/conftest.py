@@ -17,7 +17,26 @@ if _SET_TRITON_INTERPRET:
 settings.register_profile("ci", max_examples=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-torch.set_num_threads(2)
+
+
+def _worker_cpus() -> list[int]:
+    """This test process's share of the CPUs: all of them, or under pytest-xdist
+    (scripts/test.sh) worker i's contiguous share."""
+    cpus = sorted(os.sched_getaffinity(0))
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
+    if worker is None or count < 2 or len(cpus) < count:
+        return cpus
+    i, per = int(worker.removeprefix("gw")), len(cpus) // count
+    return cpus[i * per:(i + 1) * per]
+
+
+WORKER_CPUS = _worker_cpus()
+torch.set_num_threads(min(2, len(WORKER_CPUS)))
+if len(WORKER_CPUS) < len(os.sched_getaffinity(0)):
+    # the servers this worker starts compute on its own CPUs, not on the other worker's:
+    # vLLM's automatic binding would put every server's worker on the same first core
+    # (multi-rank servers drop this: the launcher binds each rank, tests/_servers.py)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, WORKER_CPUS)))
 
 
 def pytest_collection_finish(session):
@@ -32,12 +51,50 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+    _order_for_workers(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+
+
+def _order_for_workers(items) -> None:
+    """Check :data:`_servers.SHARED_SERVER_MODULES` (the units of
+    :func:`pytest_xdist_make_scheduler`) against the tests that use the shared server, and
+    put the units with servers first, the shared server's leading, so that the fast
+    modules fill in beside them."""
+    from _servers import SHARED_SERVER_MODULES
+
+    users = {_module(i.nodeid) for i in items if "server" in getattr(i, "fixturenames", ())}
+    if users - set(SHARED_SERVER_MODULES):
+        raise pytest.UsageError(f"{sorted(users - set(SHARED_SERVER_MODULES))} use the shared server: "
+                                "add them to SHARED_SERVER_MODULES in tests/_servers.py")
+    slow = {_module(i.nodeid) for i in items if "slow" in i.keywords}
+    items.sort(key=lambda i: (_module(i.nodeid) not in SHARED_SERVER_MODULES, _module(i.nodeid) not in slow))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist (scripts/test.sh) hands out whole modules, so that a module's servers
+    start once, and the modules that use the session's shared server as one unit, so
+    that it starts once. (Its own ``--dist loadgroup`` marks groups in ``item._nodeid``,
+    which pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    from _servers import SHARED_SERVER_MODULES
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module(nodeid)
+            return "shared server" if module in SHARED_SERVER_MODULES else module
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -42,8 +42,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from _servers import (COMMON, FLOAT32_WEIGHTS, NUM_BLOCKS, STATS_ROUTE, get_json, model_name, post,  # noqa: E402
-                      start_server)
+from _servers import (COMMON, FLOAT32_WEIGHTS, MULTI_RANK_ENV, NUM_BLOCKS, STATS_ROUTE, get_json,  # noqa: E402
+                      model_name, post, start_server)
 from bench.scale_out import DRIFT_LIMIT_NATS, drift, drift_text, teacher_forced  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -118,7 +118,8 @@ def one_vidkv(tmp):
 def test_vidkv_pipeline_parallel_answers_as_one_process(one_vidkv, tmp):
     ranks = 2
     args = [a for a in _args("vidkv") if a != "--enforce-eager"]  # the launcher's tracing instead
-    s = start_server(tmp, "vidkv_pp2", [*args, "--pipeline-parallel-size", str(ranks)]).wait_ready(timeout=500)
+    s = start_server(tmp, "vidkv_pp2", [*args, "--pipeline-parallel-size", str(ranks)],
+                     **MULTI_RANK_ENV).wait_ready(timeout=500)
     try:
         assert "using the LOWBIT_KV attention backend" in s.log.read_text()
         _answers_as_one_process(s, one_vidkv)
@@ -145,7 +146,7 @@ def test_eviction_with_parallelism_is_refused_with_the_reason(tmp, parallel):
         else COMMON
     s = start_server(tmp, f"evict_{parallel[0][2:4]}", ["--kv-cache-dtype", "vidkv", "--kv-eviction",
                                                        "flashcache", "--kv-retention", "0.2",
-                                                       *args, *parallel])
+                                                       *args, *parallel], **MULTI_RANK_ENV)
     try:
         assert s.proc.wait(300) != 0
     finally:
