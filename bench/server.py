@@ -27,6 +27,7 @@ import http.client
 import json
 import math
 import os
+import random
 import re
 import signal
 import socket
@@ -76,10 +77,23 @@ def refusal_reason(log: str) -> str:
     return lines[-1].strip() if lines else "no output"
 
 
+#: where :func:`free_port` looks: below Linux's ephemeral range (32768-60999), so that
+#: no client socket or bind-to-0 takes the port between picking it and the server's bind
+PORT_RANGE = range(20000, 32768)
+#: a start-up that lost its port anyway (another worker's server) is relaunched this often
+PORT_RETRIES = 3
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that nothing on 127.0.0.1 holds now, outside the ephemeral range."""
+    for port in random.sample(PORT_RANGE, 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORT_RANGE.start}-{PORT_RANGE.stop - 1}")
 
 
 class Server:
@@ -164,10 +178,17 @@ class Server:
             return self
         if self.proc is None:
             raise RuntimeError("launch() first")
+        relaunches = 0
         try:
             while READY_LINE not in self.log_text():
                 if self.proc.poll() is not None:
-                    raise self._refused(refusal_reason(self.log_text()))
+                    reason = refusal_reason(self.log_text())
+                    if "Address already in use" in self.log_text() and relaunches < PORT_RETRIES:
+                        relaunches += 1  # another server took the port first: pick a new one
+                        self.stop()
+                        self.launch()
+                        continue
+                    raise self._refused(reason)
                 if time.time() - self._launched_at > timeout:
                     raise self._refused(f"not ready after {timeout:.0f} s")
                 time.sleep(0.5)

@@ -9,6 +9,7 @@ test_vllm_engine.py; real servers serving: every e2e test.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 from pathlib import Path
@@ -82,6 +83,46 @@ def test_not_ready_in_time_is_a_refusal_and_stops_it(tmp_path):
     with pytest.raises(ServerRefused, match="vLLM server did not start: not ready after 1 s"):
         s.start(timeout=1)
     assert not s.alive
+
+
+#: one that binds its --port as vLLM's API server does, then says it is ready
+BINDS_PORT = f"""
+import socket, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+sock = socket.socket()
+sock.bind(("127.0.0.1", port))
+print("INFO: {READY_LINE}.", flush=True)
+time.sleep(600)
+"""
+
+
+def test_free_port_is_outside_the_ephemeral_range():
+    port = harness.free_port()
+    assert port in harness.PORT_RANGE
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert not low <= port <= high
+
+
+def test_port_taken_at_bind_is_relaunched_on_another(tmp_path, monkeypatch):
+    """The port was free when picked and taken before the server bound it (another
+    worker's server): the harness starts it again on a new port, not a refusal."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        picks = iter([taken.getsockname()[1], harness.free_port()])
+        monkeypatch.setattr(harness, "free_port", lambda: next(picks))
+        s = stand_in(tmp_path, BINDS_PORT).start(timeout=60)
+        try:
+            assert s.port != taken.getsockname()[1] and s.alive
+        finally:
+            s.stop()
+
+
+def test_port_taken_every_time_is_a_refusal(tmp_path, monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(harness, "free_port", lambda: taken.getsockname()[1])
+        with pytest.raises(ServerRefused, match="Address already in use"):
+            stand_in(tmp_path, BINDS_PORT).start(timeout=60)
 
 
 def test_stop_all_keeps_one(tmp_path, monkeypatch):
