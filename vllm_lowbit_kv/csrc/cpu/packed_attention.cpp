@@ -32,7 +32,9 @@
 // and per 4-bit nibble of a row, a 16-entry table of the partial score of every bit
 // pattern, per-channel weights folded in, looked up for 16 tokens by one vpermps. Value
 // codes (KIVI 2/4/8-bit, STP rows) are decoded in registers as they are summed. Without
-// AVX-512 the portable paths (repacked rows, columns one at a time) run.
+// AVX-512 the portable paths (repacked rows, columns one at a time) run; with AVX2 and F16C
+// their int8, code and fp16 conversions are vector instructions (the generic conversions,
+// for any other CPU, are scalar loops).
 //
 // RVQ pages (seed 001: each token's head vector as K codeword indices per channel group,
 // times its std; the layer's codebooks, float32, passed beside the pages): where the item
@@ -54,7 +56,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -91,6 +93,9 @@ inline void halves_to_float(const uint8_t* src, int n, float* dst) {
     return;
   }
 #endif
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + 2 * i))));
 #endif
   for (; i < n; ++i) {
     uint16_t bits;
@@ -502,6 +507,11 @@ inline vf load_row(const int8_t* x) {
   vf out;
   std::memcpy(&out, &v, sizeof out);
   return out;
+#elif defined(__AVX2__)
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)x)));
+  vf out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
 #else
   vf out;
   for (int l = 0; l < L; ++l) out[l] = float(x[l]);
@@ -550,6 +560,27 @@ struct CodeRows {
       v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)src));
     }
     const __m512 f = _mm512_cvtepi32_ps(v);
+    vf out;
+    std::memcpy(&out, &f, sizeof out);
+    return out;
+#elif defined(__AVX2__)
+    __m256i v;  // 8 codes: a broadcast word shifted per lane (as above), or 8 bytes widened
+    if constexpr (BITS == 2) {
+      uint16_t w;
+      std::memcpy(&w, src, 2);
+      v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w),
+                                             _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                           _mm256_set1_epi32(3));
+    } else if constexpr (BITS == 4) {
+      uint32_t w;
+      std::memcpy(&w, src, 4);
+      v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(w)),
+                                             _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                           _mm256_set1_epi32(15));
+    } else {
+      v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)src));
+    }
+    const __m256 f = _mm256_cvtepi32_ps(v);
     vf out;
     std::memcpy(&out, &f, sizeof out);
     return out;
