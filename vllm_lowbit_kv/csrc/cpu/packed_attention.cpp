@@ -268,7 +268,7 @@ void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const fl
       for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc_w + (m0 + m) * D + c0 + v * L, acc[m][v]);
   }
 }
-#define LOWBIT_FUSED_TRITS 1
+#define LOWBIT_FUSED_TRITS 64  // ternary_row_sums takes D a multiple of this
 #else
 // Byte -> its five trits (base 3, value - 1); rows of 8 so one 8-byte copy writes a
 // byte's trits (the extra lanes are overwritten by the next byte).
@@ -294,6 +294,73 @@ inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
   const TritTable& t = trit_table();
   for (int i = 0; i < (n + 4) / 5; ++i) std::memcpy(dst + 5 * i, t.v[src[i]], 8);
 }
+
+#if defined(__AVX2__)
+// The AVX2 form of the fused row sums above: 16 trits at a time in 16-bit lanes. Trits
+// [u, u + 16) of the stream lie in the 4 bytes from u / 5: lane k takes byte (r + k) / 5,
+// digit (r + k) % 5 (r = u % 5, so five shuffle/multiplier pairs), the digit by the same
+// multiply as TritSimd's.
+struct TritAvx2 {
+  __m256i shuf[5], mul[5];
+  TritAvx2() {
+    static const int kMul[5] = {21846, 7282, 2428, 810, 270};
+    alignas(32) uint8_t b[32];
+    alignas(32) uint16_t m[16];
+    for (int r = 0; r < 5; ++r) {
+      for (int k = 0; k < 16; ++k) {
+        b[2 * k] = uint8_t((r + k) / 5);  // every 128-bit lane holds the 4 bytes (broadcast)
+        b[2 * k + 1] = 0x80;              // zero high byte
+        m[k] = uint16_t(kMul[(r + k) % 5]);
+      }
+      shuf[r] = _mm256_load_si256((const __m256i*)b);
+      mul[r] = _mm256_load_si256((const __m256i*)m);
+    }
+  }
+};
+
+// trits [u, u + 16) of a stream of `bytes` bytes as two vectors of 8 floats
+inline void trits_at(const uint8_t* src, int64_t bytes, int64_t u, const TritAvx2& c, __m256* x) {
+  const int64_t b0 = u / 5;
+  uint32_t word = 0;
+  if (b0 + 4 <= bytes)
+    std::memcpy(&word, src + b0, 4);
+  else  // the stream's last bytes: never read past it
+    std::memcpy(&word, src + b0, size_t(bytes - b0));
+  const int r = int(u % 5);
+  const __m256i g = _mm256_shuffle_epi8(_mm256_set1_epi32(int(word)), c.shuf[r]);
+  const __m256i t = _mm256_sub_epi16(
+      _mm256_mulhi_epu16(_mm256_mullo_epi16(g, c.mul[r]), _mm256_set1_epi16(3)),
+      _mm256_set1_epi16(1));
+  x[0] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(t)));
+  x[1] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(t, 1)));
+}
+
+// acc_w[m * D + c] = sum_i p[m * TP + pos[i]] trit(i, c), D a multiple of 32
+template <int MB>
+void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const float* p, int TP,
+                      float* acc_w, int m0) {
+  static const TritAvx2 c;
+  const int64_t bytes = (int64_t(n) * D + 4) / 5;
+  for (int c0 = 0; c0 < D; c0 += 32) {
+    __m256 acc[MB][4];
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < 4; ++v) acc[m][v] = _mm256_setzero_ps();
+    for (int i = 0; i < n; ++i) {
+      __m256 x[4];
+      trits_at(src, bytes, int64_t(i) * D + c0, c, x);
+      trits_at(src, bytes, int64_t(i) * D + c0 + 16, c, x + 2);
+      const int at = pos[i];
+      for (int m = 0; m < MB; ++m) {
+        const __m256 pm = _mm256_set1_ps(p[(m0 + m) * TP + at]);
+        for (int v = 0; v < 4; ++v) acc[m][v] = _mm256_fmadd_ps(x[v], pm, acc[m][v]);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc_w + (m0 + m) * D + c0 + v * 8, acc[m][v]);
+  }
+}
+#define LOWBIT_FUSED_TRITS 32
+#endif
 #endif
 
 // Rows [0, n) of J b-bit codes (rows back to back in the stream) -> W = ceil(J b / 32)
@@ -1076,7 +1143,7 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
   }
   halves_to_float(sv + d[TV_ALPHA], D, scale);
 #if defined(LOWBIT_FUSED_TRITS)
-  if (D % 64 == 0) {
+  if (D % LOWBIT_FUSED_TRITS == 0) {
     LOWBIT_FOR_BLOCKS(M, ternary_row_sums, sv + d[TV_TRITS], n, D, pos + np, p, TP, s.w.data())
     for (int m = 0; m < M; ++m) {
       const float* wm = s.w.data() + m * D;
