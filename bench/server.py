@@ -86,7 +86,8 @@ PORT_RETRIES = 3
 
 def free_port() -> int:
     """A port that nothing on 127.0.0.1 holds now, outside the ephemeral range."""
-    for port in random.sample(PORT_RANGE, 200):
+    # the OS's randomness: a test that seeds `random` must not give two workers one sequence
+    for port in random.SystemRandom().sample(PORT_RANGE, 200):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
