@@ -71,7 +71,10 @@ An engine runs all variants of one prompt from one prefill
 
 The model runs behind an :class:`Engine` (``--engine``); ``hf`` is
 transformers + :class:`vllm_lowbit_kv.hf_cache.LowBitKVCache`. A serving
-engine (vLLM) implements the same methods.
+engine (vLLM) implements the same methods. A scheme whose server refuses to
+start (e.g. vLLM's ``fp8`` on a CPU without AVX-512) gets no row: ``refused``
+lists its label and the server's reason, the other schemes run on, and the
+command exits with status 1.
 
 Schemes with learned codebooks (the ``rvq*`` schemes) need a codebook file
 made for the model: ``--scheme-params`` can name one per scheme; otherwise the
@@ -102,6 +105,7 @@ from typing import Any
 import torch
 
 from bench.plotting import pyplot, save
+from bench.server import ServerRefused
 
 REFERENCE = "bfloat16"
 #: default passkey depths (fraction of the filler before the needle)
@@ -883,6 +887,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                       if args.kv_eviction else None,
                       model_dtype="bfloat16", torch_threads=torch.get_num_threads()),
         rows=[],
+        refused=[],
     )
     work_per_scheme = (len(ppl_ids) + sum(c["length"] for c in cells)
                        + sum(len(x) + args.chat_tokens for x in chat_ids)
@@ -986,23 +991,36 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         if args.json:  # after every group, so that an interrupted run keeps what it has
             _write_json(result, args.json)
 
-    for variant in rows_to_run:
+    def run_scheme(variant: Variant) -> None:
         name = variant.label
         eng = probe if name == REFERENCE else make_engine(args.engine, args.model, variant.scheme, **eng_kw,
                                                           params=params.get(name))
         if not args.kv_eviction or eng.variants_share_prefill:
             run_group(variant, eng, variants)
-        else:  # one engine (server) per eviction setting
-            run_group(variant, eng, variants[:1])
-            if eng.eviction_refusal():
-                tqdm.write(f"{name}: no eviction rows ({eng.eviction_refusal()})", file=sys.stderr)
-                continue
-            for v in variants[1:]:
-                run_group(variant, make_engine(args.engine, args.model, variant.scheme, eviction=v[1],
-                                               **eng_kw, params=params.get(name)), [v])
+            return
+        run_group(variant, eng, variants[:1])  # one engine (server) per eviction setting
+        if eng.eviction_refusal():
+            tqdm.write(f"{name}: no eviction rows ({eng.eviction_refusal()})", file=sys.stderr)
+            return
+        for v in variants[1:]:
+            run_group(variant, make_engine(args.engine, args.model, variant.scheme, eviction=v[1],
+                                           **eng_kw, params=params.get(name)), [v])
+
+    for variant in rows_to_run:
+        try:
+            run_scheme(variant)
+        except ServerRefused as refused:  # the other schemes' rows still count
+            if variant.label == REFERENCE:
+                raise
+            result["refused"].append(dict(label=variant.label, reason=refused.reason))
+            tqdm.write(f"{variant.label}: refused, no row: {refused.reason}", file=sys.stderr)
+            if args.json:
+                _write_json(result, args.json)
         bar.update(work_per_scheme)
     bar.close()
     print(format_table(result["rows"]))
+    for r in result["refused"]:
+        print(f"refused {r['label']}: {r['reason']}")
     if args.png:
         Path(args.png).parent.mkdir(parents=True, exist_ok=True)
         title = f"{Path(args.model).name}, {len(ppl_ids)} tokens, chunk {args.chunk}"
@@ -1061,4 +1079,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["refused"] else 0)  # every other row is written; the run is not whole

@@ -68,9 +68,11 @@ def refusal_reason(log: str) -> str:
     """The most telling line of a failed start-up log."""
     for pat in (r"(--kv-cache-dtype \S+ cannot serve[^\n]*)", r"(invalid choice:[^\n]*)",
                 r"(\w*Error: lowbit-kv: [^\n']*)",  # ours, not the engine's "see root cause above"
-                r"((?:ValueError|TypeError|RuntimeError|ValidationError|AssertionError)[^\n]*)",
+                r"((?:ValueError|TypeError|RuntimeError|NotImplementedError|ValidationError|"
+                r"AssertionError): [^\n]*)",  # a message, not a traceback's "raise X("
                 r"(error:[^\n]*)"):
-        hits = re.findall(pat, log)
+        # the engine's wrappers point at the root cause ("see root cause above"): skip them
+        hits = [h for h in re.findall(pat, log) if "root cause" not in h]
         if hits:
             return hits[-1].strip()
     lines = [ln for ln in log.splitlines() if ln.strip()]

@@ -195,3 +195,30 @@ def test_throughput_ratios_and_output_ceiling(tmp_path):
     assert "quantile1  refused: no" in table
     throughput.plot(rows, tmp_path / "t.png", "t")
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_quality_run_goes_on_past_a_refused_server(model_dir, tmp_path):
+    """vLLM's fp8 cache needs AVX-512 or AMX on the CPU build: where the CPU lacks both, its
+    server refuses and the yardstick keeps bf16's row, lists fp8 under ``refused`` with
+    vLLM's reason (not the engine's "see root cause above") and goes on; elsewhere fp8
+    gets its row."""
+    from pathlib import Path
+
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    out = tmp_path / "quality.json"
+    result = quality.main(["--engine", "vllm", "--model", model_dir, "--kv-cache-dtype", "fp8",
+                           "--max-tokens", "512", "--passkey-lengths", "none", "--chat-prompts", "0",
+                           "--agreement-prompts", "0", "--no-progress", "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert written["refused"] == result["refused"]
+    if flags & {"avx512f", "amx_bf16"}:
+        assert [r["label"] for r in written["rows"]] == ["bfloat16", "fp8"] and not written["refused"]
+    else:
+        assert [r["label"] for r in written["rows"]] == ["bfloat16"]
+        assert [r["label"] for r in written["refused"]] == ["fp8"]
+        assert "requires x86 with AVX-512 or AMX" in written["refused"][0]["reason"]
