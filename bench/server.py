@@ -185,13 +185,13 @@ class Server:
         try:
             while READY_LINE not in self.log_text():
                 if self.proc.poll() is not None:
-                    reason = refusal_reason(self.log_text())
-                    if "Address already in use" in self.log_text() and relaunches < PORT_RETRIES:
+                    log = self.log_text()
+                    if "Address already in use" in log and relaunches < PORT_RETRIES:
                         relaunches += 1  # another server took the port first: pick a new one
                         self.stop()
                         self.launch()
                         continue
-                    raise self._refused(reason)
+                    raise self._refused(refusal_reason(log))
                 if time.time() - self._launched_at > timeout:
                     raise self._refused(f"not ready after {timeout:.0f} s")
                 time.sleep(0.5)

@@ -148,8 +148,8 @@ def test_refusal_reason():
     fp8 = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."  # vLLM's, on an AVX2 CPU
     engine = (f"(Worker pid=1) ERROR NotImplementedError: {fp8}\n(EngineCore pid=2) ERROR "
               f"RuntimeError: Worker failed with error '{fp8}', please check the stack trace above "
-              "for the root cause\n    raise RuntimeError(\nRuntimeError: Engine core initialization failed. See root cause "
-              "above. Failed core proc(s): {}\n")
+              "for the root cause\n    raise RuntimeError(\nRuntimeError: Engine core "
+              "initialization failed. See root cause above. Failed core proc(s): {}\n")
     assert refusal_reason(engine) == f"NotImplementedError: {fp8}"
     assert "invalid choice: 'x'" in refusal_reason("usage: ...\nerror: argument --kv-cache-dtype: "
                                                    "invalid choice: 'x' (choose from a, b)\n")
