@@ -41,8 +41,9 @@ cache fields changed, one row each, labelled as written:
 ``SCHEME[@MOD[+MOD...]]`` with MOD ``R<N>`` (``residual_tokens`` N, ``R0``: no
 bf16 window), ``S<N>`` (``sink_tokens``), ``G<N>`` (``block_tokens``), ``P<N>``
 (``page_tokens``), ``hadamard`` / ``norotate`` (``rotate``), ``seed<N>``
-(``rotate_seed``), e.g. ``vidkv@R0``, ``kivi2@hadamard``,
-``kivi2@R0+hadamard``. They go through the scheme-parameter path
+(``rotate_seed``), ``H<N>`` (``retrieval_heads``), ``Hk``
+(``retrieval_keys_only``), ``k<F>`` (VidKV's key parameter ``k``), e.g.
+``vidkv@R0``, ``kivi2@hadamard``, ``kivi2@R0+hadamard``, ``vidkv@k0.375+H9``. They go through the scheme-parameter path
 (``--scheme-params``, which takes scheme names or variant labels as keys), so
 the vLLM engine passes them to the server as ``lowbit_kv`` fields.
 
@@ -457,6 +458,10 @@ VARIANT_MODIFIERS: tuple[tuple[str, str, Any, str], ...] = (
     (r"hadamard", "rotate", lambda m: "hadamard", "hadamard (rotate hadamard)"),
     (r"norotate", "rotate", lambda m: "none", "norotate (rotate none)"),
     (r"seed(\d+)", "rotate_seed", lambda m: int(m.group(1)), "seed<N> (rotate_seed N)"),
+    (r"H(\d+)", "retrieval_heads", lambda m: int(m.group(1)), "H<N> (retrieval_heads N)"),
+    (r"Hk", "retrieval_keys_only", lambda m: True, "Hk (retrieval_keys_only: keys only)"),
+    (r"k(\d*\.?\d+)", "k", lambda m: float(m.group(1)),
+     "k<F> (VidKV keys: share k of the channels at 2 bits)"),
 )
 VARIANT_FORM = "SCHEME[@MOD[+MOD...]] with MOD one of " + ", ".join(h for *_, h in VARIANT_MODIFIERS)
 
@@ -817,13 +822,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         raise SystemExit(f"--kv-cache-dtype: {e}") from None
     rows_to_run = [Variant(REFERENCE, REFERENCE)] + list(
         {v.label: v for v in rows_to_run if v.label != REFERENCE}.values())
+    eng_overrides = {k: x for k, x in (("block_tokens", args.block_tokens),
+                                       ("sink_tokens", args.sink_tokens)) if x is not None}
     for v in rows_to_run[1:]:
         if v.scheme in native:
             continue
         get_scheme(v.scheme)  # refuse unknown names and bad modifiers before any work
-        get_scheme(v.scheme).with_params(**v.mods, **{
-            k: x for k, x in (("block_tokens", args.block_tokens), ("sink_tokens", args.sink_tokens))
-            if x is not None})
+        get_scheme(v.scheme).with_params(**v.mods, **eng_overrides)
 
     variants = eviction_variants(args)  # refuse bad eviction settings before any work
 
@@ -861,6 +866,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
     probe = make_engine(args.engine, args.model, REFERENCE, **eng_kw)
     if args.kv_eviction and not probe.supports_eviction:
         raise SystemExit(f"--kv-eviction with --engine {args.engine}: {probe.eviction_refusal()}")
+    for v in rows_to_run[1:]:  # the bits against this model's heads, before bf16's row runs
+        if v.scheme in native:
+            continue
+        try:
+            get_scheme(v.scheme).with_params(**{**eng_overrides, **params.get(v.label, {})}) \
+                .effective_bits(probe.head_dim, model_kv_heads=probe.model_kv_heads)
+        except ValueError as e:
+            raise SystemExit(f"{v.label} on {Path(args.model).name}: {e}") from None
     too_long = [L for L in args.passkey_lengths if L > probe.max_positions]
     if too_long:
         raise SystemExit(f"--passkey-lengths {too_long} exceed the model's {probe.max_positions} positions")

@@ -189,3 +189,24 @@ def test_scheme_params_reach_the_codecs_and_codebooks_are_recorded(tiny, tmp_pat
         quality.main([*base, "--kv-cache-dtype", "kivi2", "--scheme-params", params])
     with pytest.raises(SystemExit, match="--scheme-params must be a JSON object"):
         quality.main([*base, "--kv-cache-dtype", "kivi2", "--scheme-params", "[1]"])
+
+
+def test_variant_modifiers_set_retrieval_heads_and_key_share():
+    v = quality.parse_variant("vidkv@k0.375+H9+Hk")
+    assert (v.label, v.scheme) == ("vidkv@k0.375+H9+Hk", "vidkv")
+    assert v.mods == {"k": 0.375, "retrieval_heads": 9, "retrieval_keys_only": True}
+    with pytest.raises(ValueError, match="modifier 'k-1'"):
+        quality.parse_variant("vidkv@k-1")
+
+
+def test_variants_are_checked_against_the_model_before_any_row(tiny):
+    """The tiny model has 2 x 3 KV heads: 7 retrieval heads are refused before bf16 runs;
+    a key share out of range and a codec parameter the scheme lacks are refused too."""
+    model_dir, text, _ = tiny
+    base = ["--model", str(model_dir), "--text-file", str(text), "--no-progress"]
+    with pytest.raises(SystemExit, match=r"vidkv@H7 on tiny-llama: .*retrieval_heads 7"):
+        quality.main([*base, "--variants", "vidkv@H7"])
+    with pytest.raises(ValueError, match=r"k must be a number in \[0, 1\], got 1.5"):
+        quality.main([*base, "--variants", "vidkv@k1.5"])
+    with pytest.raises(ValueError, match="kivi2 parameter name"):
+        quality.main([*base, "--variants", "kivi2@k0.5"])
