@@ -43,8 +43,9 @@ bf16 window), ``S<N>`` (``sink_tokens``), ``G<N>`` (``block_tokens``), ``P<N>``
 (``page_tokens``), ``hadamard`` / ``norotate`` (``rotate``), ``seed<N>``
 (``rotate_seed``), ``H<N>`` (``retrieval_heads``), ``Hk``
 (``retrieval_keys_only``), ``k<F>`` (VidKV's key parameter ``k``), e.g.
-``vidkv@R0``, ``kivi2@hadamard``, ``kivi2@R0+hadamard``, ``vidkv@k0.375+H9``. They go through the scheme-parameter path
-(``--scheme-params``, which takes scheme names or variant labels as keys), so
+``vidkv@R0``, ``kivi2@hadamard``, ``kivi2@R0+hadamard``, ``vidkv@k0.375+H9``.
+They go through the scheme-parameter path (``--scheme-params``, which takes
+scheme names or variant labels as keys), so
 the vLLM engine passes them to the server as ``lowbit_kv`` fields.
 
 The figure (``--png``): PPL as a ratio to bf16's against
