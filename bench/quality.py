@@ -42,7 +42,8 @@ cache fields changed, one row each, labelled as written:
 bf16 window), ``S<N>`` (``sink_tokens``), ``G<N>`` (``block_tokens``), ``P<N>``
 (``page_tokens``), ``hadamard`` / ``norotate`` (``rotate``), ``seed<N>``
 (``rotate_seed``), ``H<N>`` (``retrieval_heads``), ``Hk``
-(``retrieval_keys_only``), ``k<F>`` (VidKV's key parameter ``k``), e.g.
+(``retrieval_keys_only``), ``k<F>`` (VidKV's key parameter ``k``), ``K<N>`` (RVQ's
+``num_codebooks``, its default codebooks calibrated for N), e.g.
 ``vidkv@R0``, ``kivi2@hadamard``, ``kivi2@R0+hadamard``, ``vidkv@k0.375+H9``.
 They go through the scheme-parameter path (``--scheme-params``, which takes
 scheme names or variant labels as keys), so
@@ -463,6 +464,8 @@ VARIANT_MODIFIERS: tuple[tuple[str, str, Any, str], ...] = (
     (r"Hk", "retrieval_keys_only", lambda m: True, "Hk (retrieval_keys_only: keys only)"),
     (r"k(\d*\.?\d+)", "k", lambda m: float(m.group(1)),
      "k<F> (VidKV keys: share k of the channels at 2 bits)"),
+    (r"K(\d+)", "num_codebooks", lambda m: int(m.group(1)),
+     "K<N> (RVQ: N codebooks, the default codebooks calibrated for N)"),
 )
 VARIANT_FORM = "SCHEME[@MOD[+MOD...]] with MOD one of " + ", ".join(h for *_, h in VARIANT_MODIFIERS)
 
@@ -1066,7 +1069,7 @@ def scheme_params(rows: Sequence[Variant], args: argparse.Namespace
             params[v.label] = p
         if "codebook" not in p:
             path = default_codebook(args.model, v.scheme, seed=args.seed,
-                                    progress=not args.no_progress)
+                                    num_codebooks=p.get("num_codebooks"), progress=not args.no_progress)
             if path is None:  # no learned codebooks
                 continue
             params.setdefault(v.label, {})["codebook"] = str(path)

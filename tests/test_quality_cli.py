@@ -4,6 +4,7 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,6 +198,23 @@ def test_variant_modifiers_set_retrieval_heads_and_key_share():
     assert v.mods == {"k": 0.375, "retrieval_heads": 9, "retrieval_keys_only": True}
     with pytest.raises(ValueError, match="modifier 'k-1'"):
         quality.parse_variant("vidkv@k-1")
+    assert quality.parse_variant("rvq8x256@K6+S4").mods == {"num_codebooks": 6, "sink_tokens": 4}
+
+
+def test_codebook_count_modifier_calibrates_codebooks_of_that_count(tiny, tmp_path, monkeypatch):
+    """K<N>: the row's default codebooks are calibrated with N codebooks (the scheme's
+    file has another count, which the codecs would refuse)."""
+    from vllm_lowbit_kv.calibrate import default_codebook
+    from vllm_lowbit_kv.codecs.rvq import RVQCodebooks
+
+    monkeypatch.setenv("VLLM_LOWBIT_KV_CACHE", str(tmp_path))
+    model_dir, _, _ = tiny
+    args = quality.resolve(quality.build_parser().parse_args(["--model", str(model_dir), "--no-progress"]))
+    params, records = quality.scheme_params([quality.parse_variant("rvq8x256@K2")], args)
+    books = RVQCodebooks.load(params["rvq8x256@K2"]["codebook"])
+    assert books.settings.num_codebooks == 2 and params["rvq8x256@K2"]["num_codebooks"] == 2
+    assert records["rvq8x256@K2"]["file"] == Path(default_codebook(model_dir, "rvq8x256", num_codebooks=2)).name
+    assert "-k2c256" in records["rvq8x256@K2"]["file"]
 
 
 def test_variants_are_checked_against_the_model_before_any_row(tiny):
@@ -210,3 +228,5 @@ def test_variants_are_checked_against_the_model_before_any_row(tiny):
         quality.main([*base, "--variants", "vidkv@k1.5"])
     with pytest.raises(ValueError, match="kivi2 parameter name"):
         quality.main([*base, "--variants", "kivi2@k0.5"])
+    with pytest.raises(ValueError, match="vidkv parameter name"):
+        quality.main([*base, "--variants", "vidkv@K6"])

@@ -339,14 +339,16 @@ def ensure_codebook(model_dir: str | Path, cfg: CalibrationConfig, *, progress: 
 
 
 def default_codebook(model_dir: str | Path, scheme: str, *, seed: int = 0,
-                     progress: bool = True) -> Path | None:
-    """:func:`ensure_codebook` of the default calibration of ``scheme`` for this model;
-    None for a scheme without learned codebooks (every one but the ``rvq*`` schemes)."""
+                     num_codebooks: int | None = None, progress: bool = True) -> Path | None:
+    """:func:`ensure_codebook` of the default calibration of ``scheme`` for this model
+    (with ``num_codebooks`` codebooks instead of the scheme's, if given); None for a
+    scheme without learned codebooks (every one but the ``rvq*`` schemes)."""
     from .schemes import SCHEMES
 
     if scheme not in SCHEMES or not SCHEMES[scheme].key.accepts("codebook"):
         return None
-    return ensure_codebook(model_dir, CalibrationConfig(scheme=scheme, seed=seed), progress=progress)
+    return ensure_codebook(model_dir, CalibrationConfig(scheme=scheme, seed=seed, num_codebooks=num_codebooks),
+                           progress=progress)
 
 
 # ----------------------------------------------------------------------------- CLI
