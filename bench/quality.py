@@ -42,7 +42,8 @@ cache fields changed, one row each, labelled as written:
 bf16 window), ``S<N>`` (``sink_tokens``), ``G<N>`` (``block_tokens``), ``P<N>``
 (``page_tokens``), ``hadamard`` / ``norotate`` (``rotate``), ``seed<N>``
 (``rotate_seed``), ``H<N>`` (``retrieval_heads``), ``Hk``
-(``retrieval_keys_only``), ``k<F>`` (VidKV's key parameter ``k``), ``K<N>`` (RVQ's
+(``retrieval_keys_only``), ``k<F>`` (VidKV's key parameter ``k``), ``g<F>`` (its
+value threshold ``gamma``), ``nofft`` (its keys without the FFT), ``K<N>`` (RVQ's
 ``num_codebooks``, its default codebooks calibrated for N), e.g.
 ``vidkv@R0``, ``kivi2@hadamard``, ``kivi2@R0+hadamard``, ``vidkv@k0.375+H9``.
 They go through the scheme-parameter path (``--scheme-params``, which takes
@@ -464,6 +465,9 @@ VARIANT_MODIFIERS: tuple[tuple[str, str, Any, str], ...] = (
     (r"Hk", "retrieval_keys_only", lambda m: True, "Hk (retrieval_keys_only: keys only)"),
     (r"k(\d*\.?\d+)", "k", lambda m: float(m.group(1)),
      "k<F> (VidKV keys: share k of the channels at 2 bits)"),
+    (r"g(\d*\.?\d+)", "gamma", lambda m: float(m.group(1)),
+     "g<F> (VidKV values: ternary threshold gamma times the channel's mean |v|)"),
+    (r"nofft", "fft", lambda m: False, "nofft (VidKV keys without the FFT)"),
     (r"K(\d+)", "num_codebooks", lambda m: int(m.group(1)),
      "K<N> (RVQ: N codebooks, the default codebooks calibrated for N)"),
 )

@@ -199,6 +199,7 @@ def test_variant_modifiers_set_retrieval_heads_and_key_share():
     with pytest.raises(ValueError, match="modifier 'k-1'"):
         quality.parse_variant("vidkv@k-1")
     assert quality.parse_variant("rvq8x256@K6+S4").mods == {"num_codebooks": 6, "sink_tokens": 4}
+    assert quality.parse_variant("vidkv@g0.5+nofft").mods == {"gamma": 0.5, "fft": False}
 
 
 def test_codebook_count_modifier_calibrates_codebooks_of_that_count(tiny, tmp_path, monkeypatch):
