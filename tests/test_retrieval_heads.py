@@ -106,11 +106,6 @@ def test_bad_retrieval_fields_name_the_field(raw, match):
         LowBitKVConfig.parse(raw).scheme("vidkv")
 
 
-def test_retrieval_heads_refused_with_learned_codecs():
-    with pytest.raises(ValueError, match=r"retrieval_heads must be 0 with learned \(RVQ\) codecs"):
-        get_scheme("rvq4x256").with_params(retrieval_heads=2)
-
-
 @pytest.mark.parametrize("parallel,lowbit,reason", [
     (dict(tensor_parallel_size=3), {}, r"retrieval_heads 7 with tensor/pipeline parallelism"),
     (dict(tensor_parallel_size=1, pipeline_parallel_size=2), {},

@@ -229,10 +229,6 @@ class KVScheme:
                     f"a scheme without retrieval heads, one of "
                     f"{sorted(n for n, s in SCHEMES.items() if not s.retrieval_heads)}",
                     self.retrieval_scheme)
-            require(not any(hasattr(c, "check_model")
-                            for c in (*self.codecs(head_dim), *self.retrieval_codecs(head_dim))),
-                    "retrieval_heads", "0 with learned (RVQ) codecs: not supported together",
-                    self.retrieval_heads)
 
 
 SCHEMES: dict[str, KVScheme] = {}
