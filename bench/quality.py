@@ -42,7 +42,7 @@ cache fields changed, one row each, labelled as written:
 bf16 window), ``S<N>`` (``sink_tokens``), ``G<N>`` (``block_tokens``), ``P<N>``
 (``page_tokens``), ``hadamard`` / ``norotate`` (``rotate``), ``seed<N>``
 (``rotate_seed``), ``H<N>`` (``retrieval_heads``), ``Hk``
-(``retrieval_keys_only``), ``k<F>`` (VidKV's key parameter ``k``), ``g<F>`` (its
+(``retrieval_keys_only``), ``Hkivi<B>`` (``retrieval_scheme``), ``k<F>`` (VidKV's key parameter ``k``), ``g<F>`` (its
 value threshold ``gamma``), ``nofft`` (its keys without the FFT), ``K<N>`` (RVQ's
 ``num_codebooks``, its default codebooks calibrated for N), e.g.
 ``vidkv@R0``, ``kivi2@hadamard``, ``kivi2@R0+hadamard``, ``vidkv@k0.375+H9``.
@@ -463,6 +463,8 @@ VARIANT_MODIFIERS: tuple[tuple[str, str, Any, str], ...] = (
     (r"seed(\d+)", "rotate_seed", lambda m: int(m.group(1)), "seed<N> (rotate_seed N)"),
     (r"H(\d+)", "retrieval_heads", lambda m: int(m.group(1)), "H<N> (retrieval_heads N)"),
     (r"Hk", "retrieval_keys_only", lambda m: True, "Hk (retrieval_keys_only: keys only)"),
+    (r"H(kivi\d)", "retrieval_scheme", lambda m: m.group(1),
+     "Hkivi<B> (retrieval_scheme kivi<B>: the retrieval heads' codecs)"),
     (r"k(\d*\.?\d+)", "k", lambda m: float(m.group(1)),
      "k<F> (VidKV keys: share k of the channels at 2 bits)"),
     (r"g(\d*\.?\d+)", "gamma", lambda m: float(m.group(1)),

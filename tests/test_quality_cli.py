@@ -200,6 +200,7 @@ def test_variant_modifiers_set_retrieval_heads_and_key_share():
         quality.parse_variant("vidkv@k-1")
     assert quality.parse_variant("rvq8x256@K6+S4").mods == {"num_codebooks": 6, "sink_tokens": 4}
     assert quality.parse_variant("vidkv@g0.5+nofft").mods == {"gamma": 0.5, "fft": False}
+    assert quality.parse_variant("vidkv@H3+Hkivi8").mods == {"retrieval_heads": 3, "retrieval_scheme": "kivi8"}
 
 
 def test_codebook_count_modifier_calibrates_codebooks_of_that_count(tiny, tmp_path, monkeypatch):

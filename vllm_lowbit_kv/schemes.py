@@ -251,6 +251,9 @@ register(KVScheme("kivi2", "KIVI 2-bit: K per-channel, V per-token",
 register(KVScheme("kivi4", "KIVI 4-bit: K per-channel, V per-token",
                   CodecSpec(KiviCodec, {"bits": 4, "axis": "channel"}),
                   CodecSpec(KiviCodec, {"bits": 4, "axis": "token"})))
+register(KVScheme("kivi8", "KIVI 8-bit: K per-channel, V per-token",
+                  CodecSpec(KiviCodec, {"bits": 8, "axis": "channel"}),
+                  CodecSpec(KiviCodec, {"bits": 8, "axis": "token"})))
 
 VIDKV_KEY = CodecSpec(VidKVKeyCodec, {"k": 0.5, "fft": True})
 VIDKV_VALUE = {"gamma": 0.7, "protect": 0.0}
