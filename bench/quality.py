@@ -1088,10 +1088,14 @@ def scheme_params(rows: Sequence[Variant], args: argparse.Namespace
 
 
 def _write_json(result: dict, path: str | Path) -> None:
+    """The result as JSON, naming no path of this machine (e.g. a codebook file of the
+    cache as ``$VLLM_LOWBIT_KV_CACHE/...``, :mod:`bench.portable`)."""
+    from bench.portable import portable
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
+    tmp.write_text(portable(json.dumps(result, indent=1)))
     tmp.replace(path)
 
 

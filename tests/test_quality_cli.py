@@ -232,3 +232,12 @@ def test_variants_are_checked_against_the_model_before_any_row(tiny):
         quality.main([*base, "--variants", "kivi2@k0.5"])
     with pytest.raises(ValueError, match="vidkv parameter name"):
         quality.main([*base, "--variants", "vidkv@K6"])
+
+
+def test_json_names_no_path_of_the_machine(tmp_path, monkeypatch):
+    """A codebook of the cache is written as $VLLM_LOWBIT_KV_CACHE/..., not as this
+    machine's path (results name no local path)."""
+    monkeypatch.setenv("VLLM_LOWBIT_KV_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "q.json"
+    quality._write_json({"codebook": str(tmp_path / "cache" / "codebooks" / "m" / "x.safetensors")}, out)
+    assert json.loads(out.read_text()) == {"codebook": "$VLLM_LOWBIT_KV_CACHE/codebooks/m/x.safetensors"}
