@@ -42,9 +42,10 @@ cache fields changed, one row each, labelled as written:
 bf16 window), ``S<N>`` (``sink_tokens``), ``G<N>`` (``block_tokens``), ``P<N>``
 (``page_tokens``), ``hadamard`` / ``norotate`` (``rotate``), ``seed<N>``
 (``rotate_seed``), ``H<N>`` (``retrieval_heads``), ``Hk``
-(``retrieval_keys_only``), ``Hkivi<B>`` (``retrieval_scheme``), ``k<F>`` (VidKV's key parameter ``k``), ``g<F>`` (its
-value threshold ``gamma``), ``nofft`` (its keys without the FFT), ``K<N>`` (RVQ's
-``num_codebooks``, its default codebooks calibrated for N), e.g.
+(``retrieval_keys_only``), ``Hkivi<B>`` (``retrieval_scheme``), ``k<F>`` (VidKV's
+key parameter ``k``), ``g<F>`` (its value threshold ``gamma``), ``nofft`` (its keys
+without the FFT), ``K<N>`` (RVQ's ``num_codebooks``, its default codebooks
+calibrated for N), e.g.
 ``vidkv@R0``, ``kivi2@hadamard``, ``kivi2@R0+hadamard``, ``vidkv@k0.375+H9``.
 They go through the scheme-parameter path (``--scheme-params``, which takes
 scheme names or variant labels as keys), so
