@@ -185,9 +185,11 @@ def test_long_prompt_reads_packed_pages_and_prefix_cache(server):
 @pytest.mark.slow
 def test_preempted_requests_leave_nothing_behind(server):
     """4 concurrent requests of 370 prompt tokens fit 3 blocks each at admission, then
-    each needs a 4th while decoding: 16 blocks of the 10 there are, so vLLM preempts
-    (frees the blocks, recomputes later). All finish fluently; blocks and staging slots
-    go back."""
+    each needs two more while decoding: 20 blocks of the 10 there are, so vLLM preempts
+    (frees the blocks, recomputes later). 150 output tokens keep every request running
+    long after the last one arrives: with 30 a fast CPU finished the first ones before
+    the others were admitted, and nothing was preempted. All finish fluently; blocks and
+    staging slots go back."""
     port, model = server.port, model_name(server.port)
     before = metric(port, "num_preemptions_total")
     prompts = [post(port, "/tokenize", {"model": model, "prompt": long_prompt(i + 1)})["tokens"][:370]
@@ -196,7 +198,7 @@ def test_preempted_requests_leave_nothing_behind(server):
 
     def run(i):
         results[i] = post(port, "/v1/completions", {
-            "model": model, "prompt": prompts[i], "max_tokens": 30, "temperature": 0,
+            "model": model, "prompt": prompts[i], "max_tokens": 150, "temperature": 0,
             "ignore_eos": True})
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
@@ -206,7 +208,7 @@ def test_preempted_requests_leave_nothing_behind(server):
         t.join(600)
     assert metric(port, "num_preemptions_total") > before
     for r in results:
-        assert r is not None and r["usage"]["completion_tokens"] == 30
+        assert r is not None and r["usage"]["completion_tokens"] == 150
         assert fluent(r["choices"][0]["text"], 10), r["choices"][0]["text"]
     wait_idle(server)
     assert "Traceback" not in server.log.read_text()
