@@ -13,7 +13,6 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import threading
 
 import pytest
 
@@ -184,32 +183,20 @@ def test_long_prompt_reads_packed_pages_and_prefix_cache(server):
 
 @pytest.mark.slow
 def test_preempted_requests_leave_nothing_behind(server):
-    """4 concurrent requests of 370 prompt tokens fit 3 blocks each at admission, then
-    each needs two more while decoding: 20 blocks of the 10 there are, so vLLM preempts
-    (frees the blocks, recomputes later). 150 output tokens keep every request running
-    long after the last one arrives: with 30 a fast CPU finished the first ones before
-    the others were admitted, and nothing was preempted. All finish fluently; blocks and
-    staging slots go back."""
+    """4 requests of 370 prompt tokens, sent as one batch so that they run together
+    however fast the CPU or slow the client, fit 3 blocks each at admission, then each
+    needs two more while decoding: 20 blocks of the 10 there are, so vLLM preempts (frees
+    the blocks, recomputes later). All finish fluently; blocks and staging slots go back."""
     port, model = server.port, model_name(server.port)
     before = metric(port, "num_preemptions_total")
     prompts = [post(port, "/tokenize", {"model": model, "prompt": long_prompt(i + 1)})["tokens"][:370]
                for i in range(4)]
-    results = [None] * 4
-
-    def run(i):
-        results[i] = post(port, "/v1/completions", {
-            "model": model, "prompt": prompts[i], "max_tokens": 150, "temperature": 0,
-            "ignore_eos": True})
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
+    r = post(port, "/v1/completions", {"model": model, "prompt": prompts, "max_tokens": 150,
+                                       "temperature": 0, "ignore_eos": True})
     assert metric(port, "num_preemptions_total") > before
-    for r in results:
-        assert r is not None and r["usage"]["completion_tokens"] == 150
-        assert fluent(r["choices"][0]["text"], 10), r["choices"][0]["text"]
+    assert len(r["choices"]) == 4 and r["usage"]["completion_tokens"] == 4 * 150
+    for choice in r["choices"]:
+        assert fluent(choice["text"], 10), choice["text"]
     wait_idle(server)
     assert "Traceback" not in server.log.read_text()
 
