@@ -7,10 +7,15 @@ group would ever be quantized and every scheme would trivially answer as bf16
 does. The context is neutral (unrelated to the questions, written for this
 file); the examples only show the expected answer length. The answers are not
 scored against a key: each scheme's answer is compared with bf16's answer
-(``bench.quality``, ``chat_same_as_bf16``).
+(``bench.quality``, ``chat_same_as_bf16``). A small model gets some of them wrong in
+bf16 too, and its answer to those flips with any change of the cache; so every question
+also has an answer key (:data:`CHAT_KEYS`), and the yardstick counts which answers are
+right and which of bf16's right answers a scheme keeps (``chat_facts_kept``).
 """
 
 from __future__ import annotations
+
+import re
 
 CHAT_SYSTEM = """\
 You are a helpful assistant. Answer every question in a few words, without explanation.
@@ -72,6 +77,21 @@ CHAT_QUESTIONS: tuple[str, ...] = (
     "How many days are there in a leap year?",
     "What is the longest river in Africa?",
 )
+
+#: the accepted answers of each question (regular expressions, case-insensitive, matched
+#: as whole words anywhere in the answer), in the order of :data:`CHAT_QUESTIONS`
+CHAT_KEYS: tuple[tuple[str, ...], ...] = (
+    ("Jupiter",), ("Paris",), ("Au",), ("56", "fifty-six"), ("Shakespeare",), ("Tokyo",),
+    ("Na",), ("42", "forty-two"), ("Austen",), ("7", "seven"), ("100",), ("Rome",),
+    ("Mars",), ("carbon dioxide", "CO2"), ("9", "nine"), ("Leonardo", "da Vinci"),
+    ("Ottawa",), ("Fe",), ("366",), ("Nile",),
+)
+
+
+def answer_is_correct(question: int, answer: str) -> bool:
+    """True when ``answer`` holds one of the accepted answers of question ``question``."""
+    return any(re.search(rf"(?<![\w]){key}(?![\w])", answer, re.IGNORECASE)
+               for key in CHAT_KEYS[question])
 
 
 def chat_messages(question: str) -> list[dict[str, str]]:

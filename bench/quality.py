@@ -19,7 +19,10 @@ Metrics (DESIGN.md, "How quality is measured"), each scheme against the
   ``--passkey-chunks`` chunks (of at least ``--chunk`` tokens), greedy decode,
   exact match of the first number in the answer. ``passkey_hits`` of
   ``passkey_cases``, ``passkey_acc``, its 95% Wilson score interval
-  ``passkey_ci95``; ``passkey_by_length`` / ``passkey_by_depth`` break it down.
+  ``passkey_ci95``; ``passkey_by_length`` / ``passkey_by_depth`` break it down;
+  ``passkey_no_number``: the misses whose answer holds no number at all (the model
+  wrote words, e.g. " the pass key is ...", instead of a key), against misses with a
+  wrong number (each case's ``number``: the first number of its answer, or null).
 * chat: ``--chat-prompts`` short factual questions (:mod:`bench.factual_prompts`)
   sent as chats (the model's chat template with a generation prompt; through
   the vLLM server ``/v1/chat/completions``, temperature 0) after a fixed
@@ -27,7 +30,10 @@ Metrics (DESIGN.md, "How quality is measured"), each scheme against the
   (``chat_context_tokens``), so that the question and the answer read
   quantized groups; greedy, at most ``--chat-tokens`` tokens.
   ``chat_same_as_bf16``: answers equal to bf16's (after strip), of
-  ``chat_prompts``; ``chat_answers`` keeps them.
+  ``chat_prompts``; ``chat_answers`` keeps them. Against the questions' answer
+  key: ``chat_correct`` right answers, ``chat_facts_kept`` of bf16's
+  ``chat_bf16_correct`` right answers still right (a fact the cache lost, not a
+  coin flip on a question bf16 gets wrong too, nor the same fact in other words).
 * ``agreement``: greedy tokens generated before the first divergence from the
   bf16 reference (at most ``--agreement-tokens``), averaged over
   ``--agreement-prompts`` prompts cut from the text after the perplexity span.
@@ -532,6 +538,19 @@ def chat_prompt_ids(tok, question: str) -> list[int]:
     return tok(text).input_ids
 
 
+def chat_facts(answers: Sequence[str], bf16_answers: Sequence[str]) -> dict[str, int | None]:
+    """``chat_correct``: answers holding their question's key
+    (:func:`bench.factual_prompts.answer_is_correct`); ``chat_bf16_correct``: bf16's;
+    ``chat_facts_kept``: questions both answer correctly (None without questions)."""
+    from bench.factual_prompts import answer_is_correct
+    if not answers:
+        return dict(chat_correct=None, chat_bf16_correct=None, chat_facts_kept=None)
+    right = [answer_is_correct(i, a) for i, a in enumerate(answers)]
+    ref = [answer_is_correct(i, a) for i, a in enumerate(bf16_answers)]
+    return dict(chat_correct=sum(right), chat_bf16_correct=sum(ref),
+                chat_facts_kept=sum(a and b for a, b in zip(right, ref)))
+
+
 def chat_context_tokens(tok) -> int:
     """Tokens of a chat prompt before its question (the common prefix of two questions' prompts)."""
     from bench.factual_prompts import CHAT_QUESTIONS
@@ -564,10 +583,10 @@ def agreement_prompts(ids: list[int], start: int, n: int, length: int) -> list[l
 # ----------------------------------------------------------------------------- output
 def format_table(rows: list[dict]) -> str:
     """Markdown table: scheme/variant, page bits, bits@8K, PPL, PPL ratio, passkey hits/cases
-    [95% CI], chat answers equal to bf16's, agreement, seconds (``passkey_by_length`` and
-    ``passkey_by_depth`` are in the JSON)."""
+    [95% CI], chat answers equal to bf16's, bf16's right answers kept, agreement, seconds
+    (``passkey_by_length`` and ``passkey_by_depth`` are in the JSON)."""
     head = ["scheme/variant", "page bits", "bits@8K", "PPL", "xbf16", "passkey [95% CI]", "chat=bf16",
-            "agree", "s"]
+            "facts kept", "agree", "s"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     lines = []
     for r in rows:
@@ -576,9 +595,11 @@ def format_table(rows: list[dict]) -> str:
             f"{r['passkey_hits']}/{r['passkey_cases']} [{ci[0]:.2f}, {ci[1]:.2f}]")
         chat = "-" if not r.get("chat_prompts") or r.get("chat_same_as_bf16") is None else \
             f"{r['chat_same_as_bf16']}/{r['chat_prompts']}"
+        facts = "-" if r.get("chat_facts_kept") is None else \
+            f"{r['chat_facts_kept']}/{r['chat_bf16_correct']}"
         lines.append([r.get("label", r["scheme"]), fmt(r.get("effective_bits"), ".3f"),
                       fmt(r.get("effective_bits_at_8k"), ".3f"), fmt(r["ppl"], ".3f"),
-                      fmt(r["ppl_ratio_vs_bf16"], ".3f"), pk, chat, fmt(r["agreement"], ".1f"),
+                      fmt(r["ppl_ratio_vs_bf16"], ".3f"), pk, chat, facts, fmt(r["agreement"], ".1f"),
                       fmt(r.get("seconds"), ".0f")])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
 
@@ -947,6 +968,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                 answer = tok.decode(gen, skip_special_tokens=True)
                 m = re.search(r"\d+", answer)
                 details[v].append(dict(c, prompt_tokens=len(ids), answer=answer,
+                                       number=m.group(0) if m else None,
                                        correct=bool(m and m.group(0) == str(c["passkey"]))))
 
         bar.set_postfix_str(f"{name}: chat")
@@ -984,12 +1006,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                 ppl=ppl, ppl_ratio_vs_bf16=None if ppl is None else ppl / ref["ppl"],
                 passkey_hits=hits, passkey_cases=len(det),
                 passkey_acc=hits / len(det) if det else None, passkey_ci95=wilson_interval(hits, len(det)),
+                passkey_no_number=sum(d["number"] is None for d in det),
                 passkey_by_length={str(L): sum(d["correct"] for d in det if d["length"] == L)
                                    / max(1, sum(d["length"] == L for d in det)) for L in args.passkey_lengths},
                 passkey_by_depth={str(D): sum(d["correct"] for d in det if d["depth"] == D)
                                   / max(1, sum(d["depth"] == D for d in det)) for D in args.passkey_depths},
                 chat_prompts=len(chats[v]),
                 chat_same_as_bf16=sum(a == b for a, b in zip(chats[v], ref["chat"])) if questions else None,
+                **chat_facts(chats[v], ref["chat"]),
                 chat_answers=chats[v],
                 agreement=(sum(agree[v]) / len(agree[v])) if agree[v] else None,
                 agreement_per_prompt=agree[v],

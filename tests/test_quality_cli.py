@@ -55,11 +55,15 @@ def test_cli_writes_table_json_and_png(tiny, capsys):
     assert [r["scheme"] for r in res["rows"]] == ["bfloat16", "kivi2", "kivi4"]
     for r in res["rows"]:
         for key in ("scheme", "effective_bits", "ppl", "ppl_ratio_vs_bf16", "passkey_acc",
-                    "passkey_by_length", "agreement"):
+                    "passkey_by_length", "agreement", "chat_facts_kept"):
             assert key in r, key
         assert set(r["passkey_by_length"]) == {"256", "512"}
         assert len(r["passkey_details"]) == 2 * len(quality.DEPTHS)
         assert all(d["prompt_tokens"] <= d["length"] - quality.PASSKEY_GEN_TOKENS for d in r["passkey_details"])
+        for d in r["passkey_details"]:  # the number read from the answer decides the hit
+            assert d["correct"] == (d["number"] == str(d["passkey"]))
+            assert d["number"] is None or d["number"] in d["answer"]
+        assert r["passkey_no_number"] == sum(d["number"] is None for d in r["passkey_details"])
         assert 0 <= r["agreement"] <= 6 and r["ppl"] > 1
     ref, k2, k4 = res["rows"]
     assert ref["effective_bits"] == 16 and ref["ppl_ratio_vs_bf16"] == 1 and ref["agreement"] == 6
@@ -241,3 +245,22 @@ def test_json_names_no_path_of_the_machine(tmp_path, monkeypatch):
     out = tmp_path / "q.json"
     quality._write_json({"codebook": str(tmp_path / "cache" / "codebooks" / "m" / "x.safetensors")}, out)
     assert json.loads(out.read_text()) == {"codebook": "$VLLM_LOWBIT_KV_CACHE/codebooks/m/x.safetensors"}
+
+
+def test_chat_answers_are_checked_against_the_answer_key():
+    from bench.factual_prompts import CHAT_KEYS, CHAT_QUESTIONS, answer_is_correct
+
+    assert len(CHAT_KEYS) == len(CHAT_QUESTIONS) and all(CHAT_KEYS)
+    leap = CHAT_QUESTIONS.index("How many days are there in a leap year?")
+    assert answer_is_correct(leap, "There are 366 days in a leap year.")
+    assert not answer_is_correct(leap, "There are 365 days in a leap year.")
+    sqrt = CHAT_QUESTIONS.index("What is the square root of 81?")
+    assert not answer_is_correct(sqrt, "The square root of 81 is 19.")  # whole numbers only
+    gold = CHAT_QUESTIONS.index("What is the chemical symbol for gold?")
+    assert answer_is_correct(gold, "au.") and not answer_is_correct(gold, "Aurum")
+    # bf16 right on both, the scheme loses one fact and gets a question bf16 missed
+    bf16 = ["Jupiter.", "Paris.", "Ag."]
+    assert quality.chat_facts(["Saturn.", "Paris.", "Au."], bf16) == dict(
+        chat_correct=2, chat_bf16_correct=2, chat_facts_kept=1)
+    assert quality.chat_facts([], []) == dict(chat_correct=None, chat_bf16_correct=None,
+                                              chat_facts_kept=None)
