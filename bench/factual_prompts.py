@@ -5,12 +5,12 @@ prompt) after the same system message and the same few worked examples, so the
 question sits after several hundred tokens of context: with a short prompt no KV
 group would ever be quantized and every scheme would trivially answer as bf16
 does. The context is neutral (unrelated to the questions, written for this
-file); the examples only show the expected answer length. The answers are not
-scored against a key: each scheme's answer is compared with bf16's answer
-(``bench.quality``, ``chat_same_as_bf16``). A small model gets some of them wrong in
-bf16 too, and its answer to those flips with any change of the cache; so every question
-also has an answer key (:data:`CHAT_KEYS`), and the yardstick counts which answers are
-right and which of bf16's right answers a scheme keeps (``chat_facts_kept``).
+file); the examples only show the expected answer length. Each scheme's answer is
+compared with bf16's answer (``bench.quality``, ``chat_same_as_bf16``). A small model
+gets some of the questions wrong in bf16 too, and its answer to those flips with any
+change of the cache; so every question also has an answer key (:data:`CHAT_KEYS`), and
+the yardstick counts which answers are right and which of bf16's right answers a
+scheme keeps (``chat_facts_kept``).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ CHAT_KEYS: tuple[tuple[str, ...], ...] = (
 
 def answer_is_correct(question: int, answer: str) -> bool:
     """True when ``answer`` holds one of the accepted answers of question ``question``."""
-    return any(re.search(rf"(?<![\w]){key}(?![\w])", answer, re.IGNORECASE)
+    return any(re.search(rf"(?<!\w){key}(?!\w)", answer, re.IGNORECASE)
                for key in CHAT_KEYS[question])
 
 
