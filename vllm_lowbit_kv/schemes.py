@@ -245,15 +245,10 @@ def get_scheme(name: str) -> KVScheme:
     return SCHEMES[name]
 
 
-register(KVScheme("kivi2", "KIVI 2-bit: K per-channel, V per-token",
-                  CodecSpec(KiviCodec, {"bits": 2, "axis": "channel"}),
-                  CodecSpec(KiviCodec, {"bits": 2, "axis": "token"})))
-register(KVScheme("kivi4", "KIVI 4-bit: K per-channel, V per-token",
-                  CodecSpec(KiviCodec, {"bits": 4, "axis": "channel"}),
-                  CodecSpec(KiviCodec, {"bits": 4, "axis": "token"})))
-register(KVScheme("kivi8", "KIVI 8-bit: K per-channel, V per-token",
-                  CodecSpec(KiviCodec, {"bits": 8, "axis": "channel"}),
-                  CodecSpec(KiviCodec, {"bits": 8, "axis": "token"})))
+for _bits in (2, 4, 8):
+    register(KVScheme(f"kivi{_bits}", f"KIVI {_bits}-bit: K per-channel, V per-token",
+                      CodecSpec(KiviCodec, {"bits": _bits, "axis": "channel"}),
+                      CodecSpec(KiviCodec, {"bits": _bits, "axis": "token"})))
 
 VIDKV_KEY = CodecSpec(VidKVKeyCodec, {"k": 0.5, "fft": True})
 VIDKV_VALUE = {"gamma": 0.7, "protect": 0.0}
