@@ -65,7 +65,8 @@ class PagedModel:
         self.pages = [torch.zeros(lay.page_shape(len(self.block_table)), dtype=torch.uint8,
                                   device=device) for lay in self.layouts]
         self.staging = [Staging.allocate(slots, T, H, D, model.dtype,
-                                         Hq if self.obs_window else None, device=device)
+                                         Hq if self.obs_window else None, device=device,
+                                         staging_dtype=scheme.staging_dtype)
                         for _ in self.layouts]
         self.alloc = StagingAllocator(slots, T, scheme.sink_tokens, scheme.residual_tokens // T)
         self.attention_impl, self.packed_attention = select_implementation(

@@ -29,7 +29,8 @@ def make(scheme="kivi2", T=16, block_size=32, num_blocks=64, slots=8, sinks=0, q
     layout = PagedLayout(kc, vc, H, block_size, sinks, rotation=s.rotation(D, 0),
                          protect_first=s.protect_first)
     pages = torch.zeros(layout.page_shape(num_blocks), dtype=torch.uint8)
-    staging = Staging.allocate(slots, T, H, D, torch.bfloat16, q_heads)
+    staging = Staging.allocate(slots, T, H, D, torch.bfloat16, q_heads,
+                               staging_dtype=s.staging_dtype)
     return layout, pages, staging, StagingAllocator(slots, T, sinks, window)
 
 
@@ -169,6 +170,59 @@ def test_chunked_prefill_and_decode_match_reference(scheme, sinks, window, rotat
         kk, _ = fake_quant(layout, *seqs[r][:2], sinks, upto=L)
         s = min(sinks, L // T * T)
         torch.testing.assert_close(dk.reshape(-1, H, D)[s:], kk[s:L // T * T], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("scheme,window", [("vidkv", 0), ("kivi2", 1)])
+def test_int8_staging_reads_and_encodes_the_tokens_as_held(scheme, window):
+    """staging_dtype int8: the staged tokens (partial group, window) are read as their int8
+    round trip, the step's own tokens exactly, and a completing group is encoded from its
+    staged tokens as held plus its fresh ones exact; the transformers yardstick stores the
+    same bytes and reads the same window and tail."""
+    from vllm_lowbit_kv.codecs.quant import absmax_int8_roundtrip
+    torch.manual_seed(5)
+    T = 16
+    layout, pages, staging, alloc = make(scheme, T=T, slots=window + 1, window=window,
+                                         staging_dtype="int8")
+    assert staging.k.data.dtype == torch.int8 and staging.k.scale.shape == (window + 1, T, H, 1)
+    L = 40
+    k, v, q = rnd(L, H, D), rnd(L, H, D), rnd(L, HQ, D)
+    rk, rv = absmax_int8_roundtrip(k), absmax_int8_roundtrip(v)
+    assert not torch.equal(rk, k)  # the round trip moves bf16 values: the test can tell
+    # tokens 0-10 staged, 11-16 written by the step completing group 0, 17-33 by the
+    # one completing group 1 (tokens 16 and 33 staged again), then one token at a time
+    schedule = [[11], [6], [17], [1], [1]]
+    bounds = [0, 11, 17, 34, 35, 36]
+    held_k, held_v = k.clone(), v.clone()  # each group as encoded: staged part rounded
+    for a, b in ((0, 11), (16, 17)):
+        held_k[a:b], held_v[a:b] = rk[a:b], rv[a:b]
+    dk, dv = layout.decode(layout.encode(held_k[:2 * T].reshape(2, T, H, D),
+                                         held_v[:2 * T].reshape(2, T, H, D)))
+    dk, dv = dk.reshape(-1, H, D), dv.reshape(-1, H, D)
+
+    def check(rows, qs, seq_lens, out):
+        end = seq_lens[0]
+        start = bounds[bounds.index(end) - 1]
+        groups = start // T  # complete before this step
+        staged_from = max(groups - window, 0) * T
+        kk = torch.cat([dk[:staged_from], rk[staged_from:start], k[start:end]])
+        vv = torch.cat([dv[:staged_from], rv[staged_from:start], v[start:end]])
+        ref = attend(q[start:end], kk, vv, start, D ** -0.5)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+    table = torch.arange(pages.shape[0])
+    done, _ = run_schedule(layout, pages, staging, alloc, [(k, v, q)], [table], schedule,
+                           on_step=check)
+    assert done == [36]
+    kc, vc = get_scheme(scheme).codecs(D, T)
+    hf = LowBitLayer(0, kc, vc, T, residual_tokens=window * T, staging_dtype="int8")
+    for a, b in zip(bounds, bounds[1:]):
+        hf.update(k[a:b].permute(1, 0, 2).unsqueeze(0), v[a:b].permute(1, 0, 2).unsqueeze(0))
+    states = layout.read_states(pages, torch.arange(2))
+    assert torch.equal(states[..., :layout.format.k_bytes], hf.packed_k[0])
+    hk, _ = hf.decoded()
+    staged_from = max(2 - window, 0) * T
+    torch.testing.assert_close(hk[0].permute(1, 0, 2)[staged_from:], rk[staged_from:36],
+                               atol=0, rtol=0)
 
 
 def test_sinks_survive_prefix_caching():

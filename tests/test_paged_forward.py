@@ -158,8 +158,7 @@ def test_forward_on_cuda_equals_cpu(scheme, params, impl):
         torch.manual_seed(0)
         layout, pages, staging, alloc = make(scheme, slots=6, **params)
         pages = pages.to(device)
-        staging.k, staging.v = staging.k.to(device), staging.v.to(device)
-        staging.q = None if staging.q is None else staging.q.to(device)
+        staging = staging.to(device)
         seqs = [tuple(x.to(device) for x in (rnd(L, H, D), rnd(L, H, D), rnd(L, HQ, D)))
                 for L in (78, 41)]
         tables = [torch.arange(8), torch.arange(8, 16)]

@@ -25,7 +25,7 @@ def test_fields_cover_every_codec_parameter():
                        if spec.accepts(p)}
     cache = {"block_tokens", "sink_tokens", "residual_tokens", "page_tokens", "rotate", "rotate_seed",
              "protect_first", "retrieval_heads", "retrieval_scheme", "retrieval_keys_only",
-             "skip_layers", "obs_window", "attention_impl"}
+             "staging_dtype", "skip_layers", "obs_window", "attention_impl"}
     eviction = {"eviction", "retention", "eviction_gamma", "eviction_sinks", "recent_window",
                 "eviction_layer_cap"}
     assert set(LowBitKVConfig.model_fields) == params | cache | eviction
@@ -38,6 +38,7 @@ def test_fields_cover_every_codec_parameter():
     ({"protect": 1.0}, "vidkv_stp", r"protect must be a number in \[0, 1\)"),
     ({"zz": 1}, "vidkv", r"unknown field 'zz'; known fields: \['alpha', 'attention_impl', 'axis'"),
     ({"one_bit": "x"}, "vidkv", r"field 'one_bit': Input should be 'mean', 'sign' or 'minmax'"),
+    ({"staging_dtype": "fp8"}, "vidkv", r"field 'staging_dtype': Input should be 'model' or 'int8'"),
     ({"bits": True}, "kivi2", r"field 'bits': Input should be a valid integer, got True"),
     ({"sink_tokens": -1}, "vidkv", r"field 'sink_tokens': Input should be greater than or equal to 0"),
     ({"residual_tokens": 100}, "vidkv",

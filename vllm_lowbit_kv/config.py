@@ -26,6 +26,12 @@ Cache layout (any scheme):
   written as groups fill; the window is a model-dtype copy beside them that only
   the sequence that wrote it reads (:mod:`vllm_lowbit_kv.paged`), counted in
   ``effective_bits_at`` and inside the KV budget.
+* ``staging_dtype``: ``model`` or ``int8``: what the staged tokens (the residual
+  window and the partial last group) are held in: the model dtype, or int8 with a
+  float32 scale per token and KV head (8.5 bits per element at head_dim 64, an error
+  of at most absmax / 254 per element), about half the staging memory and 0.12 bits
+  per element at 8K with 128-token groups. The current step's tokens are always
+  attended exactly, and a completing group is encoded from its staged tokens as held.
 * ``page_tokens``: tokens per vLLM page (block) when ``--block-size`` is not
   given (a multiple of ``block_tokens``; default: 512 rounded up to one). Every
   page carries the sink area, so larger pages make sinks cheap;
@@ -107,6 +113,7 @@ from .eviction.policies import DEFAULT_GAMMA, DEFAULT_RECENT_WINDOW, DEFAULT_SIN
 from .codecs.vidkv import ONE_BIT_MODES, PROTECT_FIRST
 from .ops import CHOICES as ATTENTION_IMPLS
 from .rotation import ROTATIONS
+from .paged import STAGING_DTYPES
 from .schemes import CACHE_FIELDS as SCHEME_CACHE_FIELDS
 from .schemes import MAX_PAGE_TOKENS, MAX_RESIDUAL_TOKENS, KVScheme, get_scheme
 
@@ -148,6 +155,7 @@ class LowBitKVConfig(BaseModel):
                                         description="KV heads coded by retrieval_scheme")
     retrieval_scheme: str | None = None
     retrieval_keys_only: bool | None = None
+    staging_dtype: Literal[STAGING_DTYPES] | None = None  # type: ignore[valid-type]
     skip_layers: list[int] = Field(default_factory=list,
                                    description="layer indices kept in the model dtype")
     obs_window: int = Field(DEFAULT_OBS_WINDOW, ge=1, le=4096,
@@ -325,8 +333,8 @@ class LowBitKVConfig(BaseModel):
         """Honest bits per K/V element: ``groups`` (the codec groups), ``pages`` (every
         byte of a page: sink area, padding), ``overall`` (over all layers, the
         ``skip_layers`` in the model dtype), ``at_context`` (one sequence of L tokens, L in
-        :data:`BITS_AT_CONTEXTS`: its pages plus its model-dtype staging, residual window and
-        partial group, over all layers); ``layout`` is the page layout."""
+        :data:`BITS_AT_CONTEXTS`: its pages plus its staging, residual window and partial
+        group in the scheme's ``staging_dtype``, over all layers); ``layout`` is the page layout."""
         from .paged import PagedLayout
         import torch
 
@@ -368,7 +376,8 @@ class LowBitKVConfig(BaseModel):
         return (
             f"lowbit-kv: --kv-cache-dtype {name} ({scheme.summary}); {codec_desc}; "
             f"block_tokens={scheme.block_tokens} sink_tokens={scheme.sink_tokens} "
-            f"residual_tokens={scheme.residual_tokens} rotate={scheme.rotate} "
+            f"residual_tokens={scheme.residual_tokens} staging_dtype={scheme.staging_dtype} "
+            f"rotate={scheme.rotate} "
             f"{f'protect_first={scheme.protect_first} ' if scheme.uses_relevance else ''}"
             + (f"retrieval_heads={scheme.retrieval_heads} ({scheme.retrieval_scheme} "
                f"{'keys' if scheme.retrieval_keys_only else 'keys and values'}) "

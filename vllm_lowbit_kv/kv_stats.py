@@ -119,7 +119,7 @@ def worker_snapshot(worker: Any = None, pools: Sequence[Any] = ()) -> dict[str, 
     ``kv_cache_bytes``: bytes vLLM allocated for the KV cache (the backing
     allocation its ``KVCacheConfig.kv_cache_tensors`` share), ``num_blocks`` the
     blocks it holds;
-    ``staging_*``: slots of the model-dtype staging ``pools`` (the
+    ``staging_*``: slots of the staging ``pools`` (the
     :class:`~vllm_lowbit_kv.paged.StagingAllocator` of each of the worker's metadata builders),
     which the KV budget pays for (:func:`~vllm_lowbit_kv.vllm.resolve.staging_bytes`);
     ``eviction_enabled`` / ``evicted_pairs``: :data:`EVICTION`;

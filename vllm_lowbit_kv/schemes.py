@@ -35,7 +35,7 @@ MAX_PAGE_TOKENS = 8192
 #: fields of a scheme that shape the cache rather than a codec
 CACHE_FIELDS = ("block_tokens", "sink_tokens", "residual_tokens", "page_tokens", "rotate",
                 "rotate_seed", "protect_first", "retrieval_heads", "retrieval_scheme",
-                "retrieval_keys_only")
+                "retrieval_keys_only", "staging_dtype")
 
 
 
@@ -82,6 +82,9 @@ class KVScheme:
     retrieval_scheme: str = "kivi4"
     #: retrieval heads take only the key codec of ``retrieval_scheme``, values keep this scheme's
     retrieval_keys_only: bool = False
+    #: what the staged tokens (residual window, partial group) are held in: "model" (the
+    #: model dtype) or "int8" (a scale per token and head, :data:`~.paged.STAGING_DTYPES`)
+    staging_dtype: str = "model"
 
     def codecs(self, head_dim: int, block_tokens: int | None = None, layer: int | None = None
                ) -> tuple[BlockCodec, BlockCodec]:
@@ -146,16 +149,17 @@ class KVScheme:
         """Honest bits per element of one sequence of ``context_tokens`` tokens: every page
         byte of its blocks of ``block_size`` tokens (default :attr:`page_size`; sink area
         and padding included) plus its staging (residual window and partial group,
-        :attr:`staged_groups` groups in the model dtype, as allocated), over its K and V
+        :attr:`staged_groups` groups in :attr:`staging_dtype`, as allocated), over its K and V
         elements; with retrieval heads, over all ``model_kv_heads`` of the model."""
-        from .paged import PagedLayout
+        from .paged import PagedLayout, staged_bytes_per_element
 
         T = self.block_tokens
         block_size = block_size or self.page_size
         head_page = sum(w * PagedLayout(kc, vc, 1, block_size, self.sink_tokens).page_bytes
                         for w, (kc, vc) in self._weighted_codecs(head_dim, model_kv_heads))
         blocks = -(-context_tokens // block_size)
-        staged = self.staged_groups * T * 2 * head_dim * model_dtype_bytes
+        staged = self.staged_groups * T * 2 * head_dim * staged_bytes_per_element(
+            self.staging_dtype, head_dim, model_dtype_bytes)
         return (blocks * head_page + staged) * 8 / (context_tokens * 2 * head_dim)
 
     def rotation(self, head_dim: int, layer: int | None) -> HadamardRotation | None:
@@ -199,8 +203,12 @@ class KVScheme:
 
     def validate(self, head_dim: int = 64) -> None:
         """Build both codecs once so that every parameter is range-checked."""
+        from .paged import STAGING_DTYPES
+
         require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
                 "sink_tokens", "an int >= 0", self.sink_tokens)
+        require(self.staging_dtype in STAGING_DTYPES, "staging_dtype", f"one of {STAGING_DTYPES}",
+                self.staging_dtype)
         self.codecs(head_dim)  # validates block_tokens and the codec parameters
         T = self.block_tokens
         require(isinstance(self.residual_tokens, int) and 0 <= self.residual_tokens

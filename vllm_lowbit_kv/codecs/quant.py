@@ -40,3 +40,19 @@ def minmax_quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor,
     hi = x.amax(dim=dim, keepdim=True)
     scale, zero = minmax_params(lo, hi, bits)
     return quantize(x, scale, zero, bits), scale, zero
+
+
+def absmax_int8(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes with one float32 scale (absmax / 127) per slice along ``dim``
+    (kept as size 1): error at most half a step, absmax / 254. An all-zero slice gets
+    scale 1 and zero codes."""
+    x = x.float()
+    scale = x.abs().amax(dim=dim, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(x / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+def absmax_int8_roundtrip(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``x`` as :func:`absmax_int8` stores it, decoded to float32."""
+    codes, scale = absmax_int8(x, dim)
+    return codes.float() * scale

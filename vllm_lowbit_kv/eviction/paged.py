@@ -96,8 +96,9 @@ def request_context(layout: PagedLayout, pages: torch.Tensor, staging: Staging, 
     if part:
         require(tail_slot >= 0, "tail_slot", f"the staging slot of the partial group ({part} tokens)",
                 tail_slot)
-        ks.append(staging.k[tail_slot, :part].float())
-        vs.append(staging.v[tail_slot, :part].float())
+        slot = torch.tensor([tail_slot])
+        ks.append(staging.k.read(slot)[0, :part])
+        vs.append(staging.v.read(slot)[0, :part])
     k, v = torch.cat(ks), torch.cat(vs)
     n_sink = min(layout.sink_tokens, N)
     if n_sink:

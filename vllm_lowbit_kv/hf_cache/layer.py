@@ -8,7 +8,8 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ..codecs.base import BlockCodec, require
-from ..paged import SINK_RELEVANCE, attention_mass, mask_sink_rows, rank_protected
+from ..codecs.quant import absmax_int8_roundtrip
+from ..paged import STAGING_DTYPES, SINK_RELEVANCE, attention_mass, mask_sink_rows, rank_protected
 from ..retrieval_heads import query_heads
 from ..rotation import HadamardRotation
 from .hooks import RelevanceFn
@@ -49,8 +50,12 @@ class LowBitLayer(DynamicLayer):
                  block_tokens: int, sink_tokens: int = 0, relevance: str | RelevanceFn = "none",
                  obs_window: int = 32, attend_new_exact: bool = True, evictable: bool = False,
                  residual_tokens: int = 0, rotation: HadamardRotation | None = None,
-                 visual: VisualTokens | None = None):
+                 visual: VisualTokens | None = None, staging_dtype: str = "model"):
         super().__init__()
+        require(staging_dtype in STAGING_DTYPES, "staging_dtype", f"one of {STAGING_DTYPES}",
+                staging_dtype)
+        #: the tail and window are held as the pages' staging holds them (int8: rounded once)
+        self.staging_dtype = staging_dtype
         #: the cache's visual-token marks: STP protects visual tokens first
         self.visual = visual
         require(isinstance(residual_tokens, int) and residual_tokens >= 0
@@ -252,7 +257,10 @@ class LowBitLayer(DynamicLayer):
         if n_sink:
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :n_sink]], dim=-2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :n_sink]], dim=-2)
-        # 2. everything joins the tail; what attention sees now (new tokens exact)
+        # 2. everything joins the tail; what attention sees now (new tokens exact), and what
+        #    staging keeps of the tail (the new tokens as staged)
+        kept_k = torch.cat([self.keys, self._staged(key_states)], dim=-2)
+        kept_v = torch.cat([self.values, self._staged(value_states)], dim=-2)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         full_k, full_v = self.decoded()
@@ -283,15 +291,21 @@ class LowBitLayer(DynamicLayer):
             self.packed_v = pv if self.packed_v is None else torch.cat([self.packed_v, pv], dim=1)
             if self.window_groups:
                 keep = self.window_groups * self.block_tokens
-                self.window_k = torch.cat([x for x in (self.window_k, self.keys[:, :, :m])
+                self.window_k = torch.cat([x for x in (self.window_k, kept_k[:, :, :m])
                                            if x is not None], dim=-2)[:, :, -keep:].clone()
-                self.window_v = torch.cat([x for x in (self.window_v, self.values[:, :, :m])
+                self.window_v = torch.cat([x for x in (self.window_v, kept_v[:, :, :m])
                                            if x is not None], dim=-2)[:, :, -keep:].clone()
-            self.keys = self.keys[:, :, m:].clone()
-            self.values = self.values[:, :, m:].clone()
-            if not self.attend_new_exact:
-                full_k, full_v = self.decoded()
+            kept_k, kept_v = kept_k[:, :, m:].clone(), kept_v[:, :, m:].clone()
+        self.keys, self.values = kept_k, kept_v
+        if n_full and not self.attend_new_exact:
+            full_k, full_v = self.decoded()
         return full_k, full_v
+
+    def _staged(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens [B, H, S, D] as staging holds them (:data:`~..paged.STAGING_DTYPES`)."""
+        if self.staging_dtype == "model":
+            return x
+        return absmax_int8_roundtrip(x).to(x.dtype)
 
     # -- eviction ----------------------------------------------------------------
     def exact(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,9 +28,10 @@ gid    global group id ``= block_id * N + group_in_block``; a token in vLLM slot
        offset ``s % T``.
 
 Staging. A group is encoded into its page in the step that writes its last
-token (offset T-1). Until then its tokens live in the model dtype in a
-*staging slot*: a fixed pool of slots per layer (sized once at start-up),
-handed out by :class:`StagingAllocator`. A running request has at most one
+token (offset T-1). Until then its tokens live in the model dtype (or int8 with a
+scale per token and head: the scheme's ``staging_dtype``) in a *staging slot*: a
+fixed pool of slots per layer (sized once at start-up), handed out by
+:class:`StagingAllocator`. A running request has at most one
 partial group (its last), so ``max_num_seqs`` slots always suffice: slots of
 groups completed in a step are returned before new groups take theirs, and the
 engine returns the slots of finished, aborted and preempted requests
@@ -68,17 +69,19 @@ Each step: :meth:`StagingAllocator.plan_step` (once, for all layers) gives a
 :func:`forward_layer`: attention (and relevance) first, writes second.
 """
 
-from .attention import attend, attention_mass, context_keys, exact_attention, read_staged
+from .attention import attend, attention_mass, context_keys, exact_attention
 from .forward import forward_layer, forward_split_layer
 from .layout import (SINK_RELEVANCE, HeadSplitLayout, PagedLayout, mask_sink_rows,
                      protected_visual, rank_protected, scheme_layout)
 from .plan import ExactBatch, ReadPlan, StagingAllocator, WritePlan, make_read_plan
-from .write import Staging, apply_writes, encode_groups, stage_tokens
+from .write import (STAGING_DTYPES, Staging, StagedTokens, apply_writes, encode_groups,
+                    stage_tokens, staged_bytes_per_element)
 
 __all__ = [
-    "ExactBatch", "HeadSplitLayout", "PagedLayout", "ReadPlan", "SINK_RELEVANCE", "Staging",
+    "ExactBatch", "HeadSplitLayout", "PagedLayout", "ReadPlan", "SINK_RELEVANCE", "STAGING_DTYPES",
+    "StagedTokens", "Staging",
     "StagingAllocator", "WritePlan", "apply_writes", "attend", "attention_mass", "context_keys",
     "encode_groups", "exact_attention", "forward_layer", "forward_split_layer", "make_read_plan",
-    "mask_sink_rows", "protected_visual", "rank_protected", "read_staged", "scheme_layout",
-    "stage_tokens",
+    "mask_sink_rows", "protected_visual", "rank_protected", "scheme_layout",
+    "stage_tokens", "staged_bytes_per_element",
 ]

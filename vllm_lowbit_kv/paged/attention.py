@@ -51,14 +51,6 @@ def attention_mass(q_win: torch.Tensor, first_pos: int, keys: torch.Tensor, scal
     return torch.softmax(scores, dim=-1).sum(dim=-2).transpose(0, 1)
 
 
-def read_staged(buf: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
-    """The first ``n`` tokens of the runs ``slots`` [..., S] of staging ``buf`` [slots, T,
-    ...] (slot after slot): [..., n, ...] float32."""
-    # index_select on whole slots: a row copy each, far cheaper than advanced indexing
-    run = buf.flatten(1).index_select(0, slots.flatten().to(buf.device))
-    return run.view(*slots.shape[:-1], -1, *buf.shape[2:])[..., :n, :, :].float()
-
-
 def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 attention with an additive mask, and its log-sum-exp.
@@ -153,8 +145,8 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
             ks.append(sk)
             vs.append(sv)
         if b.tail:
-            ks.append(read_staged(staging.k, b.tail_slots, b.tail))
-            vs.append(read_staged(staging.v, b.tail_slots, b.tail))
+            ks.append(staging.k.read_run(b.tail_slots, b.tail))
+            vs.append(staging.v.read_run(b.tail_slots, b.tail))
         if b.bias is None:  # a prefill chunk
             rows = b.rows[0]
             o, l = prefill_exact_attention(query[rows], key[rows], value[rows], ks, vs, scale)
@@ -185,5 +177,5 @@ def context_keys(rplan: ReadPlan, r: int, layout: PagedLayout, pages: torch.Tens
     part = rplan.ctx_len[r] - g * T
     if part:
         slots = rplan.window_slots[r] + ([rplan.tail_slot[r]] if rplan.ctx_len[r] % T else [])
-        parts.append(read_staged(staging.k, torch.tensor(slots, device="cpu"), part))
+        parts.append(staging.k.read_run(torch.tensor(slots, device="cpu"), part))
     return torch.cat(parts) if parts else torch.empty(0, H, D, device=staging.k.device)

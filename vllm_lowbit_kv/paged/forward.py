@@ -74,9 +74,7 @@ def forward_split_layer(wplan: WritePlan, rplan: ReadPlan, split: HeadSplitLayou
         kv = torch.tensor(heads, device=query.device)
         q_heads = query_heads(kv, group)
         part_out = torch.empty(n, q_heads.numel(), split.D, dtype=out.dtype, device=out.device)
-        part_staging = Staging(staging.k[:, :, lo:lo + part.H], staging.v[:, :, lo:lo + part.H],
-                               None if staging.q is None else
-                               staging.q[:, :, lo * group:(lo + part.H) * group])
+        part_staging = staging.heads(lo, lo + part.H, group)
         forward_layer(wplan, rplan, part, query.index_select(1, q_heads), key.index_select(1, kv),
                       value.index_select(1, kv), part_pages, part_staging, scale, part_out,
                       obs_window, None if packed_attention is None else packed_attention[i])

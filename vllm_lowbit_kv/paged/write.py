@@ -7,27 +7,107 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codecs.base import require
+from ..codecs.quant import absmax_int8
 from .layout import SINK_RELEVANCE, PagedLayout, mask_sink_rows, rank_protected
 from .plan import WritePlan
 
 
+#: what staging holds: tokens in the model dtype, or int8 with a float32 scale per
+#: (token, head) (:func:`~vllm_lowbit_kv.codecs.quant.absmax_int8`: 8.5 bits per element
+#: at head_dim 64, half a step of absmax / 127 at most, for about half the memory)
+STAGING_DTYPES = ("model", "int8")
+
+
+def staged_bytes_per_element(staging_dtype: str, head_dim: int, model_dtype_bytes: int) -> float:
+    """Bytes per staged K or V element, the scale included."""
+    return model_dtype_bytes if staging_dtype == "model" else 1 + 4 / head_dim
+
+
+@dataclass
+class StagedTokens:
+    """One staged tensor (K or V) [S, T, H, D]: in the model dtype (``scale`` None), or
+    int8 codes with a float32 scale [S, T, H, 1] per (token, head)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(cls, shape: tuple[int, ...], dtype: torch.dtype, staging_dtype: str,
+                 device=None) -> "StagedTokens":
+        require(staging_dtype in STAGING_DTYPES, "staging_dtype", f"one of {STAGING_DTYPES}",
+                staging_dtype)
+        if staging_dtype == "model":
+            return cls(torch.zeros(shape, dtype=dtype, device=device))
+        return cls(torch.zeros(shape, dtype=torch.int8, device=device),
+                   torch.ones(*shape[:-1], 1, dtype=torch.float32, device=device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def to(self, device) -> "StagedTokens":
+        return StagedTokens(self.data.to(device), None if self.scale is None else
+                            self.scale.to(device))
+
+    def heads(self, lo: int, hi: int) -> "StagedTokens":
+        """A view of KV heads lo..hi-1."""
+        return StagedTokens(self.data[:, :, lo:hi], None if self.scale is None else
+                            self.scale[:, :, lo:hi])
+
+    def store(self, slot: torch.Tensor, off: torch.Tensor, x: torch.Tensor) -> None:
+        """Tokens ``x`` [n, H, D] at (``slot``, ``off``) [n]."""
+        if self.scale is None:
+            self.data[slot, off] = x.to(self.data.dtype)
+        else:
+            self.data[slot, off], self.scale[slot, off] = absmax_int8(x)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """Whole slots ``slots`` [n] -> float32 [n, T, H, D]."""
+        x = self.data[slots].float()
+        return x if self.scale is None else x * self.scale[slots]
+
+    def read_run(self, slots: torch.Tensor, n: int) -> torch.Tensor:
+        """The first ``n`` tokens of the runs ``slots`` [..., S] (slot after slot):
+        [..., n, H, D] float32."""
+        x = _run(self.data, slots, n).float()
+        return x if self.scale is None else x * _run(self.scale, slots, n)
+
+
+def _run(buf: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
+    # index_select on whole slots: a row copy each, far cheaper than advanced indexing
+    run = buf.flatten(1).index_select(0, slots.flatten().to(buf.device))
+    return run.view(*slots.shape[:-1], -1, *buf.shape[2:])[..., :n, :, :]
+
+
 @dataclass
 class Staging:
-    """One layer's staging buffers: K, V [S, T, H, D] and, for STP, queries [S, T, Hq, D]."""
+    """One layer's staging buffers: K, V [S, T, H, D] (:class:`StagedTokens`) and, for STP,
+    queries [S, T, Hq, D] in the model dtype."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    k: StagedTokens
+    v: StagedTokens
     q: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, num_slots: int, T: int, H: int, D: int, dtype: torch.dtype,
-                 num_q_heads: int | None = None, device=None) -> "Staging":
-        k = torch.zeros(num_slots, T, H, D, dtype=dtype, device=device)
+                 num_q_heads: int | None = None, device=None, staging_dtype: str = "model"
+                 ) -> "Staging":
+        k, v = (StagedTokens.allocate((num_slots, T, H, D), dtype, staging_dtype, device)
+                for _ in "kv")
         q = None
         if num_q_heads:
             q = torch.zeros(num_slots, T, num_q_heads, D, dtype=dtype, device=device)
-        return cls(k, torch.zeros_like(k), q)
+        return cls(k, v, q)
 
+    def heads(self, lo: int, hi: int, query_group: int) -> "Staging":
+        """A view of KV heads lo..hi-1 (and their query heads, ``query_group`` per KV head)."""
+        return Staging(self.k.heads(lo, hi), self.v.heads(lo, hi), None if self.q is None
+                       else self.q[:, :, lo * query_group:hi * query_group])
+
+    def to(self, device) -> "Staging":
+        return Staging(self.k.to(device), self.v.to(device),
+                       None if self.q is None else self.q.to(device))
 
 
 def apply_writes(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value: torch.Tensor,
@@ -69,8 +149,8 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
     has = plan.enc_src_slot >= 0
     if bool(has.any()):
         src_rows, src = torch.nonzero(has).flatten(), plan.enc_src_slot[has]
-        tk[src_rows] = staging.k[src].float()
-        tv[src_rows] = staging.v[src].float()
+        tk[src_rows] = staging.k.read(src)
+        tv[src_rows] = staging.v.read(src)
     tk[plan.enc_row, plan.enc_off] = key[plan.enc_tok].float()
     tv[plan.enc_row, plan.enc_off] = value[plan.enc_tok].float()
     if relevance is not None and plan.enc_visual is not None:
@@ -135,7 +215,7 @@ def stage_tokens(plan: WritePlan, key: torch.Tensor, value: torch.Tensor, stagin
                  query: torch.Tensor | None = None) -> None:
     """Copy the fresh tokens of groups still incomplete into their staging slots."""
     if plan.stage_tok.numel():
-        staging.k[plan.stage_slot, plan.stage_off] = key[plan.stage_tok].to(staging.k.dtype)
-        staging.v[plan.stage_slot, plan.stage_off] = value[plan.stage_tok].to(staging.v.dtype)
+        staging.k.store(plan.stage_slot, plan.stage_off, key[plan.stage_tok])
+        staging.v.store(plan.stage_slot, plan.stage_off, value[plan.stage_tok])
         if staging.q is not None and query is not None:
             staging.q[plan.stage_slot, plan.stage_off] = query[plan.stage_tok].to(staging.q.dtype)

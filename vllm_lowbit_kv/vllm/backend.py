@@ -335,7 +335,8 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
         # this worker's KV cache (the current device); the first forward checks that.
         self.staging = Staging.allocate(staging_slots(vllm_config), self.T, num_kv_heads,
                                         head_size, self.model_dtype,
-                                        num_heads if self.obs_window else None, device=device)
+                                        num_heads if self.obs_window else None, device=device,
+                                        staging_dtype=self.scheme.staging_dtype)
         self._layout: PagedLayout | HeadSplitLayout | None = None
         #: the implementation reading each part of this layer's pages (set with _layout)
         self._part_attention: list = []

@@ -181,7 +181,7 @@ def _budget_less_staging(original: Callable) -> Callable:
             return budget
         from vllm.v1.core.kv_cache_utils import max_memory_usage_bytes
 
-        from .resolve import staging_bytes
+        from .resolve import resolve_scheme, staging_bytes
 
         staged = staging_bytes(cfg)
         specs = self.get_kv_cache_spec().values()
@@ -192,7 +192,8 @@ def _budget_less_staging(original: Callable) -> Callable:
             fits = max(0, (budget - needed) * seqs // staged)
             mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
             raise ValueError(
-                f"lowbit-kv: staging (residual window and partial group, in the model dtype) "
+                f"lowbit-kv: staging (residual window and partial group, staging_dtype "
+                f"{resolve_scheme(cfg).staging_dtype}) "
                 f"for --max-num-seqs {seqs} sequences takes {mib(staged)} of the "
                 f"{mib(budget)} KV cache budget, leaving {mib(max(0, budget - staged))} of "
                 f"pages, and one request of --max-model-len "

@@ -10,7 +10,7 @@ import torch
 from vllm.config import get_current_vllm_config_or_none
 
 from ..config import ADDITIONAL_CONFIG_KEY, LowBitKVConfig
-from ..paged import HeadSplitLayout, PagedLayout, scheme_layout
+from ..paged import HeadSplitLayout, PagedLayout, scheme_layout, staged_bytes_per_element
 from ..schemes import KVScheme
 
 if TYPE_CHECKING:
@@ -127,10 +127,10 @@ def staging_bytes(vllm_config: "VllmConfig") -> int:
     queries)."""
     scheme, cfg = resolve(vllm_config)
     mc, par = vllm_config.model_config, vllm_config.parallel_config
-    rows = 2 * mc.get_num_kv_heads(par)
-    if scheme.uses_relevance:  # STP keeps the staged tokens' queries too
-        rows += mc.get_num_attention_heads(par)
+    kv_heads = mc.get_num_kv_heads(par)
     layers = mc.get_total_num_hidden_layers() - len(cfg.skip_layers)
     elt = torch.empty(0, dtype=mc.dtype).element_size()
-    return (staging_slots(vllm_config) * scheme.block_tokens * rows * mc.get_head_size() * elt
-            * layers)
+    kv = staged_bytes_per_element(scheme.staging_dtype, mc.get_head_size(), elt) * 2 * kv_heads
+    q = elt * mc.get_num_attention_heads(par) if scheme.uses_relevance else 0  # STP's queries
+    return round(staging_slots(vllm_config) * scheme.block_tokens * (kv + q) * mc.get_head_size()
+               * layers)
