@@ -27,8 +27,8 @@ GQAS = (1, 3, 8, 32)
 HEAD_SIZES = (64, 128, 96)
 H, T = 2, 16
 #: the schemes whose codecs the C++, Triton and CUDA kernels read (their module docs)
-KERNEL_SCHEMES = {"kivi2", "kivi4", "kivi8", "vidkv", "vidkv_paper", "vidkv_stp",
-                  "vidkv_k2v2", "vidkv_k15v2"}
+KERNEL_SCHEMES = {"kivi2", "kivi4", "kivi8", "vidkv", "vidkv_paper", "vidkv_retrieval",
+                  "vidkv_stp", "vidkv_k2v2", "vidkv_k15v2"}
 #: and those only the C++ kernel reads: STP on keys, RVQ
 CPP_ONLY_SCHEMES = {"vidkv_visual", "rvq", "rvq8x256", "rvq4x256", "rvq2x256"}
 CUDA_AVAILABLE = torch.cuda.is_available()

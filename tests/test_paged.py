@@ -133,10 +133,12 @@ def test_roundtrip_through_pages():
     ("vidkv", 3, 3, "none"), ("kivi2", 0, 0, "hadamard"), ("vidkv", 3, 2, "hadamard")])
 def test_chunked_prefill_and_decode_match_reference(scheme, sinks, window, rotate):
     """The packed groups read through the codec (rotated by the layout when it rotates:
-    the reference decodes back to the model's space), the window and tail exact."""
+    the reference decodes back to the model's space), the window and tail exact (staged
+    in the model dtype; int8 staging has its own test below)."""
     torch.manual_seed(0)
     layout, pages, staging, alloc = make(scheme, sinks=sinks, window=window,
-                                         slots=3 * (window + 1), rotate=rotate)
+                                         slots=3 * (window + 1), rotate=rotate,
+                                         staging_dtype="model")
     assert (layout.rotation is None) == (rotate == "none")
     T = layout.T
     scale = D ** -0.5

@@ -60,8 +60,8 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 on_device = pytest.mark.gpu if ON_GPU else (lambda test: test)  # gpu: skipped without CUDA
 SCHEMES = ["kivi2", "vidkv", "vidkv_stp"]
 #: every scheme the GPU kernels read (tests/test_kernel_protocol.py's KERNEL_SCHEMES)
-KERNEL_SCHEMES = ["kivi2", "kivi4", "kivi8", "vidkv", "vidkv_paper", "vidkv_stp", "vidkv_k2v2",
-                  "vidkv_k15v2"]
+KERNEL_SCHEMES = ["kivi2", "kivi4", "kivi8", "vidkv", "vidkv_paper", "vidkv_retrieval", "vidkv_stp",
+                  "vidkv_k2v2", "vidkv_k15v2"]
 POISON = 0xAB
 
 

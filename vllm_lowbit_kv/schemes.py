@@ -269,15 +269,29 @@ VIDKV_VALUE = {"gamma": 0.7, "protect": 0.0}
 # 7 of SmolLM2's 90 KV heads with the highest retrieval scores keep 4-bit KIVI keys and
 # values (their values matter too at 3K-4K tokens). They are paid for by 128-token groups
 # (the per-channel scales cost half as much, at no measurable loss) and no window beyond
-# the partial group, which is read in the model dtype anyway (0-127 tokens); 2048-token
-# pages pay the sink area once per page. Pages 1.98 bits, 2.23 at 8K with staging
-# (bench/results/quality_vllm_vidkv2.md). No rotation: the Hadamard rotation lowers
-# perplexity a little but costs retrieval (bench/results/quality_vllm.md).
+# the partial group (0-127 tokens), staged in int8 (a scale per token and head: the same
+# perplexity, passkeys and chats as bf16 staging, 0.12 bits less at 8K,
+# bench/results/quality_vllm_int8staging.md); 2048-token pages pay the sink area once
+# per page. Pages 1.98 bits, 2.11 at 8K with staging. No rotation: the Hadamard rotation
+# lowers perplexity a little but costs retrieval (bench/results/quality_vllm.md).
+VIDKV_CACHE = dict(block_tokens=128, sink_tokens=4, residual_tokens=0, page_tokens=2048,
+                   staging_dtype="int8")
 register(KVScheme("vidkv", "VidKV: K 1.5-bit (range-selected 2/1-bit, FFT), V ternary "
                            "per-channel, 128-token groups; 7 retrieval heads with 4-bit keys and "
-                           "values; 4 exact sink tokens",
-                  VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), block_tokens=128,
-                  sink_tokens=4, residual_tokens=0, page_tokens=2048, retrieval_heads=7))
+                           "values; 4 exact sink tokens; int8 staging",
+                  VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), retrieval_heads=7,
+                  **VIDKV_CACHE))
+# vidkv_retrieval: what the int8 staging pays for within 2.25 bits at 8K. Passkeys are
+# lost in the heads that are not retrieval heads, to their 1-bit key channels
+# (bench/results/quality_vllm_k2keys.md): 13 of 16 key channels at 2 bits and 6
+# retrieval heads find bf16's passkeys on three draws, at 1.08x bf16's perplexity
+# (bench/results/quality_vllm_int8staging.md). Pages 2.10 bits, 2.23 at 8K.
+register(KVScheme("vidkv_retrieval", "VidKV for retrieval: K 1.8-bit (13/16 of the channels at "
+                                     "2 bits, FFT), V ternary per-channel, 128-token groups; 6 "
+                                     "retrieval heads with 4-bit keys and values; 4 exact sink "
+                                     "tokens; int8 staging",
+                  CodecSpec(VidKVKeyCodec, {**VIDKV_KEY.params, "k": 0.8125}),
+                  CodecSpec(TernaryValueCodec, VIDKV_VALUE), retrieval_heads=6, **VIDKV_CACHE))
 register(KVScheme("vidkv_paper", "VidKV as in the paper: K 1.5-bit FFT, V ternary per-channel, "
                                  "full-precision residual of the last 128 tokens, no sinks",
                   VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), residual_tokens=128))

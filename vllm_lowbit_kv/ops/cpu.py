@@ -17,7 +17,7 @@ or :class:`~vllm_lowbit_kv.codecs.vidkv.TernaryValueCodec` (with or without
 STP); RVQ keys and values (:mod:`~vllm_lowbit_kv.codecs.rvq`, any K, C up to
 2^16, either grouping; the layer's codebooks travel with the call); head_dim a
 multiple of 16; any number of query heads per KV head. That covers ``vidkv``,
-``vidkv_paper``, ``vidkv_stp``, ``vidkv_visual``, ``kivi2``, ``kivi4``,
+``vidkv_paper``, ``vidkv_retrieval``, ``vidkv_stp``, ``vidkv_visual``, ``kivi2``, ``kivi4``,
 ``vidkv_k2v2``, ``vidkv_k15v2`` and the ``rvq*`` schemes. The kernel's arguments are
 derived from the :class:`~vllm_lowbit_kv.ops.page_format.PageFormat`
 (:class:`Descriptors`). The ISA is the build machine's (``-march=native``, one build

@@ -17,7 +17,7 @@ read, more than :data:`MAX_GQA` query heads per KV head, no CUDA, a failed
 build) so a dispatcher can fall back.
 
 Formats: those of :func:`~vllm_lowbit_kv.ops.page_format.gpu_format_reason`
-(kivi2, kivi4, vidkv, vidkv_paper, vidkv_stp, vidkv_k2v2, vidkv_k15v2 at
+(kivi2, kivi4, vidkv, vidkv_paper, vidkv_retrieval, vidkv_stp, vidkv_k2v2, vidkv_k15v2 at
 head_dim 16-256, powers of two). The kernel takes the format as the int32
 fields of ``LowbitPageFormat`` (:func:`format_values`, from the
 :class:`~vllm_lowbit_kv.ops.page_format.PageFormat`). Like the Triton kernel,
