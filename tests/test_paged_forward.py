@@ -30,17 +30,21 @@ def model_dir():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["vidkv", "kivi2"])
-def test_paged_path_equals_the_transformers_cache(model_dir, scheme):
+@pytest.mark.parametrize("scheme,chunk,rel", [("vidkv", 160, 1e-4), ("kivi2", 256, 1e-5)])
+def test_paged_path_equals_the_transformers_cache(model_dir, scheme, chunk, rel):
     """Pages, staging, window, sinks, retrieval heads and rotation read as hf_cache reads
-    its blocks: the two engines' perplexities agree within 1e-5 (768 tokens, 3 chunks:
-    later chunks read pages). In float32, so that the engines' arithmetic differs only in
-    summation order and where the rotation is applied (query vs keys); measured 1e-6 and
-    below. (Sink rows kept in bf16 beside float32 activations moved vidkv's by 0.1%: the
-    pages hold sinks in the model dtype.) In bf16 the two attention paths alone move
+    its blocks: the two engines' perplexities agree (768 tokens in chunks: later chunks
+    read pages). In float32, so that the engines' arithmetic differs only in summation
+    order and where the rotation is applied (query vs keys): kivi2's 256-token chunks
+    measured 1e-6 and below. vidkv's 160-token chunks leave partial 128-token groups in
+    its int8 staging between chunks: measured 8e-5 apart (3e-5 with model-dtype
+    staging), a summation order putting a code on the other side of its threshold;
+    int8 staging itself moves perplexity by 1.3e-3, so a side that did not round fails.
+    (Sink rows kept in bf16 beside float32 activations moved vidkv's by 0.1%: the pages
+    hold sinks in the model dtype.) In bf16 the two attention paths alone move
     perplexity by about 1%."""
-    (row,) = run(model_dir, scheme, "cpu", 768, 256, ["auto"], torch.float32)
-    assert row["ppl"] == pytest.approx(row["ppl_hf_cache"], rel=1e-5)
+    (row,) = run(model_dir, scheme, "cpu", 768, chunk, ["auto"], torch.float32)
+    assert row["ppl"] == pytest.approx(row["ppl_hf_cache"], rel=rel)
     assert row["ppl"] > row["ppl_bf16"] * 0.99 and row["max_logit_diff_vs_cpu"] == 0
 
 
