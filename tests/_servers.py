@@ -27,7 +27,10 @@ from bench.server import (ROOT, SERVING, STATS_ROUTE, STOCK_VLLM, Server, get_js
 KV_SPACE_GIB = 1
 COMMON = ["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4", "--block-size", "128",
           "--max-num-batched-tokens", "256", "--host", "127.0.0.1"]
-LOWBIT = {"protect": 0.2, "sink_tokens": 4, "residual_tokens": 128, "skip_layers": [0]}
+#: the shared server's fields (vidkv with STP and a window), also the VLM's (vidkv_stp), so
+#: that both run one packed KV configuration: int8 staging, vidkv's default, for both
+LOWBIT = {"protect": 0.2, "sink_tokens": 4, "residual_tokens": 128, "skip_layers": [0],
+          "staging_dtype": "int8"}
 NUM_BLOCKS = 10
 #: the test modules that use ``server``: pytest-xdist runs them in one process, so that it
 #: starts once (tests/conftest.py, which refuses to run a user missing here)

@@ -107,13 +107,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .codecs.base import ModelIdentity, require
+from .codecs.quant import STAGING_DTYPES
 from .codecs.quantile1 import ROUNDINGS
 from .codecs.rvq import GROUPINGS
 from .eviction.policies import DEFAULT_GAMMA, DEFAULT_RECENT_WINDOW, DEFAULT_SINK_TOKENS, POLICIES
 from .codecs.vidkv import ONE_BIT_MODES, PROTECT_FIRST
 from .ops import CHOICES as ATTENTION_IMPLS
 from .rotation import ROTATIONS
-from .paged import STAGING_DTYPES
 from .schemes import CACHE_FIELDS as SCHEME_CACHE_FIELDS
 from .schemes import MAX_PAGE_TOKENS, MAX_RESIDUAL_TOKENS, KVScheme, get_scheme
 

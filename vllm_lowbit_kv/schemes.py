@@ -18,6 +18,7 @@ from typing import Any
 from .codecs.base import BlockCodec, ModelIdentity, require
 from .codecs.dynamic import DynamicCodec
 from .codecs.kivi import KiviCodec
+from .codecs.quant import require_staging_dtype, staged_bytes_per_element
 from .codecs.quantile1 import QuantileCodec
 from .codecs.rvq import RVQKeyCodec, RVQValueCodec
 from .codecs.vidkv import TernaryValueCodec, VidKVKeyCodec, require_protect_first
@@ -83,7 +84,7 @@ class KVScheme:
     #: retrieval heads take only the key codec of ``retrieval_scheme``, values keep this scheme's
     retrieval_keys_only: bool = False
     #: what the staged tokens (residual window, partial group) are held in: "model" (the
-    #: model dtype) or "int8" (a scale per token and head, :data:`~.paged.STAGING_DTYPES`)
+    #: model dtype) or "int8" (a scale per token and head, :data:`~.codecs.quant.STAGING_DTYPES`)
     staging_dtype: str = "model"
 
     def codecs(self, head_dim: int, block_tokens: int | None = None, layer: int | None = None
@@ -151,7 +152,7 @@ class KVScheme:
         and padding included) plus its staging (residual window and partial group,
         :attr:`staged_groups` groups in :attr:`staging_dtype`, as allocated), over its K and V
         elements; with retrieval heads, over all ``model_kv_heads`` of the model."""
-        from .paged import PagedLayout, staged_bytes_per_element
+        from .paged import PagedLayout
 
         T = self.block_tokens
         block_size = block_size or self.page_size
@@ -203,12 +204,9 @@ class KVScheme:
 
     def validate(self, head_dim: int = 64) -> None:
         """Build both codecs once so that every parameter is range-checked."""
-        from .paged import STAGING_DTYPES
-
         require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
                 "sink_tokens", "an int >= 0", self.sink_tokens)
-        require(self.staging_dtype in STAGING_DTYPES, "staging_dtype", f"one of {STAGING_DTYPES}",
-                self.staging_dtype)
+        require_staging_dtype(self.staging_dtype)
         self.codecs(head_dim)  # validates block_tokens and the codec parameters
         T = self.block_tokens
         require(isinstance(self.residual_tokens, int) and 0 <= self.residual_tokens

@@ -1,4 +1,5 @@
-"""Uniform (min-max) quantization primitives with fp16 metadata.
+"""Uniform (min-max) quantization primitives with fp16 metadata, and the symmetric int8
+code that staging may hold tokens in (:data:`STAGING_DTYPES`).
 
 Scale and zero point are rounded to fp16 *before* the codes are computed, so
 the decoder sees exactly what the encoder used and every kernel can reproduce
@@ -8,6 +9,8 @@ the codes bit for bit.
 from __future__ import annotations
 
 import torch
+
+from .base import require
 
 
 def minmax_params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,3 +59,19 @@ def absmax_int8_roundtrip(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``x`` as :func:`absmax_int8` stores it, decoded to float32."""
     codes, scale = absmax_int8(x, dim)
     return codes.float() * scale
+
+
+#: what staging holds: tokens in the model dtype, or int8 with a float32 scale per
+#: (token, head) (:func:`~vllm_lowbit_kv.codecs.quant.absmax_int8`: 8.5 bits per element
+#: at head_dim 64, half a step of absmax / 127 at most, for about half the memory)
+STAGING_DTYPES = ("model", "int8")
+
+
+def require_staging_dtype(staging_dtype: str) -> None:
+    require(staging_dtype in STAGING_DTYPES, "staging_dtype", f"one of {STAGING_DTYPES}",
+            staging_dtype)
+
+
+def staged_bytes_per_element(staging_dtype: str, head_dim: int, model_dtype_bytes: int) -> float:
+    """Bytes per staged K or V element, the scale included."""
+    return model_dtype_bytes if staging_dtype == "model" else 1 + 4 / head_dim

@@ -8,8 +8,8 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ..codecs.base import BlockCodec, require
-from ..codecs.quant import absmax_int8_roundtrip
-from ..paged import STAGING_DTYPES, SINK_RELEVANCE, attention_mass, mask_sink_rows, rank_protected
+from ..codecs.quant import absmax_int8_roundtrip, require_staging_dtype
+from ..paged import SINK_RELEVANCE, attention_mass, mask_sink_rows, rank_protected
 from ..retrieval_heads import query_heads
 from ..rotation import HadamardRotation
 from .hooks import RelevanceFn
@@ -52,8 +52,7 @@ class LowBitLayer(DynamicLayer):
                  residual_tokens: int = 0, rotation: HadamardRotation | None = None,
                  visual: VisualTokens | None = None, staging_dtype: str = "model"):
         super().__init__()
-        require(staging_dtype in STAGING_DTYPES, "staging_dtype", f"one of {STAGING_DTYPES}",
-                staging_dtype)
+        require_staging_dtype(staging_dtype)
         #: the tail and window are held as the pages' staging holds them (int8: rounded once)
         self.staging_dtype = staging_dtype
         #: the cache's visual-token marks: STP protects visual tokens first
@@ -259,10 +258,14 @@ class LowBitLayer(DynamicLayer):
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :n_sink]], dim=-2)
         # 2. everything joins the tail; what attention sees now (new tokens exact), and what
         #    staging keeps of the tail (the new tokens as staged)
-        kept_k = torch.cat([self.keys, self._staged(key_states)], dim=-2)
-        kept_v = torch.cat([self.values, self._staged(value_states)], dim=-2)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        old_k, old_v = self.keys, self.values
+        self.keys = torch.cat([old_k, key_states], dim=-2)
+        self.values = torch.cat([old_v, value_states], dim=-2)
+        kept_k, kept_v = self.keys, self.values
+        if self.staging_dtype == "int8":
+            kept_k = torch.cat([old_k, absmax_int8_roundtrip(key_states).to(old_k.dtype)], dim=-2)
+            kept_v = torch.cat([old_v, absmax_int8_roundtrip(value_states).to(old_v.dtype)],
+                               dim=-2)
         full_k, full_v = self.decoded()
         # 3. encode every full block of the tail
         n_full = self.keys.shape[-2] // self.block_tokens
@@ -300,12 +303,6 @@ class LowBitLayer(DynamicLayer):
         if n_full and not self.attend_new_exact:
             full_k, full_v = self.decoded()
         return full_k, full_v
-
-    def _staged(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens [B, H, S, D] as staging holds them (:data:`~..paged.STAGING_DTYPES`)."""
-        if self.staging_dtype == "model":
-            return x
-        return absmax_int8_roundtrip(x).to(x.dtype)
 
     # -- eviction ----------------------------------------------------------------
     def exact(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,14 +74,13 @@ from .forward import forward_layer, forward_split_layer
 from .layout import (SINK_RELEVANCE, HeadSplitLayout, PagedLayout, mask_sink_rows,
                      protected_visual, rank_protected, scheme_layout)
 from .plan import ExactBatch, ReadPlan, StagingAllocator, WritePlan, make_read_plan
-from .write import (STAGING_DTYPES, Staging, StagedTokens, apply_writes, encode_groups,
-                    stage_tokens, staged_bytes_per_element)
+from .write import Staging, StagedTokens, apply_writes, encode_groups, stage_tokens
 
 __all__ = [
-    "ExactBatch", "HeadSplitLayout", "PagedLayout", "ReadPlan", "SINK_RELEVANCE", "STAGING_DTYPES",
-    "StagedTokens", "Staging",
+    "ExactBatch", "HeadSplitLayout", "PagedLayout", "ReadPlan", "SINK_RELEVANCE", "StagedTokens",
+    "Staging",
     "StagingAllocator", "WritePlan", "apply_writes", "attend", "attention_mass", "context_keys",
     "encode_groups", "exact_attention", "forward_layer", "forward_split_layer", "make_read_plan",
     "mask_sink_rows", "protected_visual", "rank_protected", "scheme_layout",
-    "stage_tokens", "staged_bytes_per_element",
+    "stage_tokens",
 ]

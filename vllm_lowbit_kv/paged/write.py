@@ -7,21 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codecs.base import require
-from ..codecs.quant import absmax_int8
+from ..codecs.quant import absmax_int8, require_staging_dtype
 from .layout import SINK_RELEVANCE, PagedLayout, mask_sink_rows, rank_protected
 from .plan import WritePlan
-
-
-#: what staging holds: tokens in the model dtype, or int8 with a float32 scale per
-#: (token, head) (:func:`~vllm_lowbit_kv.codecs.quant.absmax_int8`: 8.5 bits per element
-#: at head_dim 64, half a step of absmax / 127 at most, for about half the memory)
-STAGING_DTYPES = ("model", "int8")
-
-
-def staged_bytes_per_element(staging_dtype: str, head_dim: int, model_dtype_bytes: int) -> float:
-    """Bytes per staged K or V element, the scale included."""
-    return model_dtype_bytes if staging_dtype == "model" else 1 + 4 / head_dim
 
 
 @dataclass
@@ -35,8 +23,7 @@ class StagedTokens:
     @classmethod
     def allocate(cls, shape: tuple[int, ...], dtype: torch.dtype, staging_dtype: str,
                  device=None) -> "StagedTokens":
-        require(staging_dtype in STAGING_DTYPES, "staging_dtype", f"one of {STAGING_DTYPES}",
-                staging_dtype)
+        require_staging_dtype(staging_dtype)
         if staging_dtype == "model":
             return cls(torch.zeros(shape, dtype=dtype, device=device))
         return cls(torch.zeros(shape, dtype=torch.int8, device=device),

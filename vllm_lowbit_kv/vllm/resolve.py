@@ -10,7 +10,8 @@ import torch
 from vllm.config import get_current_vllm_config_or_none
 
 from ..config import ADDITIONAL_CONFIG_KEY, LowBitKVConfig
-from ..paged import HeadSplitLayout, PagedLayout, scheme_layout, staged_bytes_per_element
+from ..codecs.quant import staged_bytes_per_element
+from ..paged import HeadSplitLayout, PagedLayout, scheme_layout
 from ..schemes import KVScheme
 
 if TYPE_CHECKING:
