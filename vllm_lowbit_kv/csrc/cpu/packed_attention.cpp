@@ -230,13 +230,41 @@ inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
   }
 }
 
+// The same trits for the fused row sums below, with the bytes of each 32-channel half
+// permuted straight into 16-bit lanes (zero-extended) and ordered so that lane 2i holds
+// channel i and lane 2i + 1 channel 16 + i: then the trits, as bf16 in every 16-bit lane,
+// become two float32 vectors of 16 channels in order by a shift and a mask (no
+// conversions, no widening shuffles).
+struct TritLanes {
+  __m512i perm[5][2], mul[5][2];
+  TritLanes() {
+    static const int kMul[5] = {21846, 7282, 2428, 810, 270};
+    for (int j = 0; j < 5; ++j)
+      for (int h = 0; h < 2; ++h) {
+        alignas(64) uint8_t p[64] = {};
+        alignas(64) uint16_t m[32];
+        for (int k = 0; k < 32; ++k) {
+          const int t = 64 * j + 32 * h + (k % 2 ? 16 : 0) + k / 2;
+          p[2 * k] = uint8_t(t / 5);
+          m[k] = uint16_t(kMul[t % 5]);
+        }
+        perm[j][h] = _mm512_load_si512(p);
+        mul[j][h] = _mm512_load_si512(m);
+      }
+  }
+};
+
 // acc_w[m * D + c] = sum_i p[m * TP + pos[i]] trit(i, c) for MB query vectors from m0, over
 // rows [0, n) of D trits (D a multiple of 64), decoded in registers: 64 bytes hold 320
-// trits, five vectors of 64 channels of one row each; nothing is stored in between.
+// trits, five vectors of 64 channels of one row each; nothing is stored in between. A trit
+// t is read as the float 2t (bf16 bits (digit - 1) << 14 moved to the top of a 32-bit
+// lane), so the sums are halved at the end (exact).
 template <int MB>
 void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const float* p, int TP,
                       float* acc_w, int m0) {
-  static const TritSimd c;
+  static const TritLanes c;
+  const __mmask64 even_bytes = 0x5555555555555555ull;
+  const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
   const int64_t bytes = (int64_t(n) * D + 4) / 5;
   for (int c0 = 0; c0 < D; c0 += 64) {
     __m512 acc[MB][4];
@@ -249,23 +277,24 @@ void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const fl
       const __m512i raw = b0 + 64 <= bytes
                               ? _mm512_loadu_si512(src + b0)
                               : _mm512_maskz_loadu_epi8((1ull << (bytes - b0)) - 1, src + b0);
-      const __m512i g = _mm512_permutexvar_epi8(c.perm[j], raw);
-      const __m512i lo = trits16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(g)), c.mul[j][0]);
-      const __m512i hi =
-          trits16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(g, 1)), c.mul[j][1]);
       __m512 x[4];
-      x[0] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(lo)));
-      x[1] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(lo, 1)));
-      x[2] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(hi)));
-      x[3] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(hi, 1)));
+      for (int h = 0; h < 2; ++h) {
+        const __m512i bf = _mm512_slli_epi16(
+            trits16(_mm512_maskz_permutexvar_epi8(even_bytes, c.perm[j][h], raw), c.mul[j][h]),
+            14);
+        x[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(bf, 16));
+        x[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(bf, top));
+      }
       const int at = pos[i];
       for (int m = 0; m < MB; ++m) {
         const __m512 pm = _mm512_set1_ps(p[(m0 + m) * TP + at]);
         for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_fmadd_ps(x[v], pm, acc[m][v]);
       }
     }
+    const __m512 half = _mm512_set1_ps(0.5f);
     for (int m = 0; m < MB; ++m)
-      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc_w + (m0 + m) * D + c0 + v * L, acc[m][v]);
+      for (int v = 0; v < 4; ++v)
+        _mm512_storeu_ps(acc_w + (m0 + m) * D + c0 + v * L, _mm512_mul_ps(acc[m][v], half));
   }
 }
 #define LOWBIT_FUSED_TRITS 64  // ternary_row_sums takes D a multiple of this
