@@ -31,7 +31,10 @@ against baselines of the same shape:
 
 Each row records time, bytes read, achieved GB/s, the floor and the fraction
 of the floor reached, and speedups over each baseline (and the PyTorch fallback
-when measured) in the same run. On a GPU, times are CUDA-event medians of single
+when measured) in the same run. A scheme given as ``SCHEME@hadamard`` is its rotating
+variant (:mod:`vllm_lowbit_kv.rotation`): its time is the step as the backend runs it,
+query rotated and output un-rotated around the kernel, and its rows add the rotation's
+own time (``rotation_ms``) and its share of the kernel's (``rotation_frac_of_kernel``). On a GPU, times are CUDA-event medians of single
 calls, each after 1 GiB zeroed (the L2 cache flushed; the host's launch overhead
 hidden, as CUDA graphs hide it in vLLM's decode; ``wall_ms`` has it); first,
 every implementation and baseline is checked on one small shape (largest
@@ -73,6 +76,7 @@ from bench.plotting import pyplot, save
 from vllm_lowbit_kv.ops import (AUTO_ORDER, IMPLEMENTATIONS, implementation,
                                 packed_attention_reference, unsupported_reason)
 from vllm_lowbit_kv.paged import PagedLayout
+from vllm_lowbit_kv.paged.forward import packed_part
 from vllm_lowbit_kv.schemes import get_scheme
 
 #: (contexts, batches, most tokens per cell) per device type; the CPU grid is what a
@@ -205,16 +209,20 @@ def copy_bandwidth(device: torch.device, nbytes: int, args=None) -> float:
 
 
 def layout_of(scheme: str, args) -> PagedLayout:
-    """The scheme's pages; an ``rvq*`` scheme codes with the embedded SmolLM2's default
-    codebooks (its first layer's; calibrated on first use), which fit only SmolLM2's shape."""
-    s = get_scheme(scheme)
+    """The pages of ``SCHEME`` or ``SCHEME@ROTATION`` (a rotating variant: K and V rotated
+    before encoding, the query and output around the kernel, as the backend does); an
+    ``rvq*`` scheme codes with the embedded SmolLM2's default codebooks (its first layer's;
+    calibrated on first use), which fit only SmolLM2's shape."""
+    name, _, rotate = scheme.partition("@")
+    s = get_scheme(name).with_params(rotate=rotate) if rotate else get_scheme(name)
     if s.key.accepts("codebook"):
         from vllm_lowbit_kv.calibrate import default_codebook
         from vllm_lowbit_kv.model import prepare_model
 
-        s = s.with_params(codebook=str(default_codebook(prepare_model(), scheme, progress=False)))
+        s = s.with_params(codebook=str(default_codebook(prepare_model(), name, progress=False)))
     kc, vc = s.codecs(args.head_dim, layer=0)
-    return PagedLayout(kc, vc, args.kv_heads, args.block_size)
+    return PagedLayout(kc, vc, args.kv_heads, args.block_size,
+                       rotation=s.rotation(args.head_dim, 0))
 
 
 class Case:
@@ -243,8 +251,16 @@ class Case:
         self.bytes = total * L.H * L.state_bytes  # every group's K and V states
 
     def run(self, fn):
-        return fn(self.query, self.q_start, self.pages, self.layout, self.table, self.num_groups,
-                  self.skip, self.layout.D ** -0.5)
+        """One decode step's packed part through ``fn``, as the backend calls it
+        (:func:`~vllm_lowbit_kv.paged.forward.packed_part`: rotation included)."""
+        return packed_part(fn, self.layout, self.query, self.q_start, self.pages, self.table,
+                           self.num_groups, self.skip, self.layout.D ** -0.5)
+
+    def rotate_query_and_output(self):
+        """What a rotating layout adds to the kernel: the query rotated, an output of the
+        same shape un-rotated."""
+        rot = self.layout.rotation
+        return rot.unrotate(rot.rotate(self.query.float()))
 
 
 def _sdpa_backend(device: torch.device):
@@ -481,11 +497,19 @@ def measure_cell(context: int, batch: int, args, device: torch.device, bandwidth
                            errors, scheme=scheme, context=context, batch=batch)
                 if t is not None:
                     times[impl] = t
+        rotation = None
+        if case.layout.rotation is not None:
+            rotation = _guard(device, "rotation",
+                              lambda: measure_time(case.rotate_query_and_output, device, args),
+                              errors, scheme=scheme, context=context, batch=batch)
         for impl, t in times.items():
             row = dict(scheme=scheme, impl=impl, context=context, batch=batch,
                        time_ms=t * 1e3, bytes=case.bytes, GBps=case.bytes / t / 1e9,
                        floor_ms=case.bytes / bandwidth * 1e3,
                        floor_frac=case.bytes / bandwidth / t)
+            if rotation is not None:  # time_ms includes it; the issue's bar: < 5% of the kernel
+                row.update(rotation_ms=rotation * 1e3,
+                           rotation_frac_of_kernel=rotation / max(t - rotation, 1e-12))
             if walls[impl]:
                 row["wall_ms"] = walls[impl]["s"] * 1e3
             for kind, (tb, _) in base.items():
@@ -496,7 +520,9 @@ def measure_cell(context: int, batch: int, args, device: torch.device, bandwidth
             print(f"{scheme:10s} {impl:6s} ctx {context:6d} batch {batch:3d}: "
                   f"{t * 1e3:9.3f} ms {case.bytes / t / 1e9:7.2f} GB/s "
                   f"floor {100 * row['floor_frac']:5.1f}%  "
-                  + " ".join(f"x{row[k]:.2f} {k[11:]}" for k in row if k.startswith("speedup")),
+                  + " ".join(f"x{row[k]:.2f} {k[11:]}" for k in row if k.startswith("speedup"))
+                  + (f"  rotation {100 * row['rotation_frac_of_kernel']:.1f}% of the kernel"
+                     if rotation is not None else ""),
                   flush=True)
         del case
         if device.type == "cuda":
@@ -682,8 +708,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=["cpu", "cuda"])
-    p.add_argument("--schemes", help="comma-separated (default: cpu "
-                   f"{DEFAULTS['cpu']['schemes']}; cuda {DEFAULTS['cuda']['schemes']})")
+    p.add_argument("--schemes", help="comma-separated SCHEME or SCHEME@hadamard (rotating "
+                   f"variant) (default: cpu {DEFAULTS['cpu']['schemes']}; cuda "
+                   f"{DEFAULTS['cuda']['schemes']})")
     p.add_argument("--impls", help="implementations to measure where available (default: cpu "
                    f"{DEFAULTS['cpu']['impls']}; cuda {DEFAULTS['cuda']['impls']})")
     p.add_argument("--baselines", help="baselines of the same shape (default: cpu "

@@ -23,9 +23,13 @@ def test_fast_transform_equals_dense_sylvester_matrix(d):
 def test_rotation_is_orthonormal_and_inverted_exactly(layer, seed, d):
     rot = HadamardRotation(d, layer, seed)
     m = rot.matrix().double()
+    dense = torch.tensor(scipy.linalg.hadamard(d), dtype=torch.float64) / d ** 0.5
+    torch.testing.assert_close(m, torch.diag(rot.signs.double()) @ dense, atol=1e-7, rtol=0)
     torch.testing.assert_close(m @ m.T, torch.eye(d, dtype=torch.float64), atol=1e-6, rtol=0)
     x = torch.randn(5, d)
     torch.testing.assert_close(rot.rotate(x), x @ rot.matrix(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(rot.rotate(x.bfloat16()).float(), x.bfloat16().float() @ rot.matrix(),
+                               atol=0.05, rtol=0.01)
     torch.testing.assert_close(rot.unrotate(rot.rotate(x)), x, atol=1e-5, rtol=0)
     # scores and weighted sums survive: (qM)·(kM) = q·k, (p·vM)Mᵀ = p·v
     q, k = torch.randn(d), torch.randn(d)

@@ -45,15 +45,24 @@ def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query:
         res, res_lse = exact_attention(rplan, layout, query[:n], key, value, pages, staging,
                                        scale)
         if rplan.page_gids.numel():
-            rot = layout.rotation
-            p_out, p_lse = (packed_attention or packed_attention_reference)(
-                query[:n] if rot is None else rot.rotate(query[:n].float()), rplan.q_start_t, pages,
-                layout, rplan.group_table, rplan.num_groups, rplan.skip_tokens, scale)
-            if rot is not None:
-                p_out = rot.unrotate(p_out)
+            p_out, p_lse = packed_part(packed_attention or packed_attention_reference, layout,
+                                       query[:n], rplan.q_start_t, pages, rplan.group_table,
+                                       rplan.num_groups, rplan.skip_tokens, scale)
             res, _ = merge_attention(p_out, p_lse, res, res_lse)
         out[:n] = res.to(out.dtype)
     stage_tokens(wplan, key, value, staging, query)
+
+
+def packed_part(packed_attention, layout: PagedLayout, query: torch.Tensor,
+                q_start: torch.Tensor, pages: torch.Tensor, group_table: torch.Tensor,
+                num_groups: torch.Tensor, skip_tokens: torch.Tensor, scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed groups' attention (out, lse) through ``packed_attention``; with a rotating
+    layout the query is rotated (float32) and the output un-rotated around it."""
+    rot = layout.rotation
+    out, lse = packed_attention(query if rot is None else rot.rotate(query.float()), q_start,
+                                pages, layout, group_table, num_groups, skip_tokens, scale)
+    return (out if rot is None else rot.unrotate(out)), lse
 
 
 def forward_split_layer(wplan: WritePlan, rplan: ReadPlan, split: HeadSplitLayout,
