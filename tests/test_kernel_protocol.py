@@ -174,6 +174,34 @@ def test_accepted_cases_run_on_the_cpu(formats, scheme):
                 assert reason in str(refused.value)
 
 
+@pytest.mark.parametrize("scheme", ["kivi2", "vidkv", "vidkv_stp", "rvq4x256"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotation_reads_q_m_and_returns_o_m_transposed(formats, scheme, dtype):
+    """The contract's ``rotation``: attention with ``rotation=M`` equals attention of the
+    query ``q M`` (float32), its output times ``Mᵀ``, for the reference (rotating around
+    its decode) and for the C++ kernel (rotating as it loads queries and writes rows).
+    M is a random orthonormal matrix, not a Hadamard one, so nothing may lean on M's
+    symmetry; rows without packed keys stay 0."""
+    for D in (64, 128):
+        fmt = formats(scheme, D)
+        m, _ = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(D)))
+        for gqa in (1, 3):
+            args, _, _ = random_case(fmt, gqa, seed=7 * D + gqa)
+            query = args[0].to(dtype)
+            rest = args[1:]
+            plain_out, plain_lse = packed_attention_reference.__wrapped__(query.float() @ m,
+                                                                          *rest)
+            want_out = plain_out @ m.T
+            out, lse = packed_attention_reference(query, *rest, rotation=m)
+            torch.testing.assert_close(out, want_out, atol=1e-6, rtol=0)
+            torch.testing.assert_close(lse, plain_lse, atol=0, rtol=0)
+            if IMPLEMENTATIONS["cpp"].supports(fmt, "cpu", gqa) is None:
+                out, lse = IMPLEMENTATIONS["cpp"].attention(query, *rest, rotation=m)
+                torch.testing.assert_close(out, want_out, atol=5e-5, rtol=1e-4)
+                torch.testing.assert_close(lse, plain_lse, atol=5e-5, rtol=0)
+                assert not out[int(rest[0][1]):int(rest[0][2])].any()  # request 1: no groups
+
+
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_gpu_kernels_refuse_what_supports_refuses(formats, scheme):
     """Cases the GPU kernels refuse by format or GQA are refused by their attention (and

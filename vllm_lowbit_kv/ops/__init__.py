@@ -3,7 +3,7 @@
 Contract shared by all implementations:
 
     attention(query, q_start, pages, page, group_table, num_groups, skip_tokens,
-              scale, *, out=None, lse=None) -> (out, lse)
+              scale, *, out=None, lse=None, rotation=None) -> (out, lse)
 
 * ``query`` [n, Hq, D]: this step's query rows; request r owns rows
   ``q_start[r]:q_start[r+1]`` (``q_start`` int64 [R+1]).
@@ -25,6 +25,11 @@ Contract shared by all implementations:
   tail, fresh tokens) are attended separately and combined with
   :func:`merge_attention`, so kernels only ever read packed bytes.
 * GQA: query head h uses KV head ``h // (Hq // H)``.
+* ``rotation`` [D, D] float32 (:mod:`vllm_lowbit_kv.rotation`): the orthonormal ``M``
+  the pages' K and V were multiplied by before encoding; the query is read as ``q M``
+  and ``out`` returned as ``o Mᵀ``, in the query's own space. The C++ kernel applies it
+  as it loads queries and writes rows; the others around their kernels
+  (:func:`~.page_format.rotating`).
 
     store(k, v, gids, pages, page, relevance=None)
 
@@ -90,8 +95,8 @@ class KernelImplementation(Protocol):
     def attention(self, query: torch.Tensor, q_start: torch.Tensor, pages: torch.Tensor,
                   page: PageFormat | PageGeometry, group_table: torch.Tensor,
                   num_groups: torch.Tensor, skip_tokens: torch.Tensor, scale: float, *,
-                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]: ...
+                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                  rotation: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def store(self, k: torch.Tensor, v: torch.Tensor, gids: torch.Tensor, pages: torch.Tensor,
               page: PageFormat | PageGeometry, relevance: torch.Tensor | None = None

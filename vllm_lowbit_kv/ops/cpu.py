@@ -87,6 +87,7 @@ LANES = 16  # floats per vector in the widest build (AVX-512): head_dim must be 
 #: vidkv's parity perplexity by 0.2% (the kernel itself takes float32 too)
 DENSE_DTYPES = (torch.bfloat16,)
 
+_NO_ROTATION = torch.empty(0)
 _build_lock = threading.Lock()
 _build_error: str | None = None
 _built = False
@@ -248,10 +249,11 @@ def supports(fmt: PageFormat, device: torch.device | str, gqa: int) -> str | Non
 def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Tensor,
                      page: PageFormat | PageGeometry, group_table: torch.Tensor,
                      num_groups: torch.Tensor, skip_tokens: torch.Tensor, scale: float, *,
-                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                     rotation: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract of :mod:`vllm_lowbit_kv.ops`; ``out``/``lse`` may be given (float32,
-    contiguous) to be overwritten."""
+    contiguous) to be overwritten. The kernel applies ``rotation`` itself: to each query
+    vector as it loads it, to each output row as it writes it."""
     fmt = page_format(page)
     reason = format_reason(fmt)
     if reason:
@@ -272,8 +274,13 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
         query, as_long(q_start), fmt.flat_pages(pages), as_long(group_table),
         as_long(num_groups), as_long(skip_tokens), float(scale),
         desc.geometry, desc.key, desc.value, desc.fft_map, desc.codebooks, desc.key_columns,
-        out, lse)
+        _NO_ROTATION if rotation is None else _float32_contiguous(rotation), out, lse)
     return out, lse
+
+
+def _float32_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it already is (a decode step's rotation: no copy, no dispatch)."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,

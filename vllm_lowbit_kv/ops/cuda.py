@@ -37,7 +37,7 @@ import torch
 from ..codecs.base import require
 from . import reference
 from .page_format import (PageFormat, PageGeometry, attention_outputs, fft_matrix,
-                          gpu_format_reason, page_format)
+                          gpu_format_reason, page_format, rotating)
 
 name = "cuda"
 SOURCE_DIR = Path(__file__).resolve().parents[1] / "csrc" / "cuda"
@@ -162,6 +162,7 @@ def split_plan(max_groups: int, num_splits: int | None, device: torch.device | N
     return -(-max_groups // per_split), per_split
 
 
+@rotating
 def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Tensor,
                      page: PageFormat | PageGeometry, group_table: torch.Tensor,
                      num_groups: torch.Tensor, skip_tokens: torch.Tensor, scale: float, *,

@@ -20,6 +20,7 @@ codec's bytes, the value codec's bytes, zero padding.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -253,6 +254,22 @@ def attention_outputs(query: torch.Tensor, q_start: torch.Tensor, group_table: t
         out.zero_()
         lse.fill_(float("-inf"))
     return out, lse, nothing
+
+
+def rotating(attention):
+    """``attention`` (an implementation of the contract whose kernel does not take
+    ``rotation``) with the contract's ``rotation`` applied around it, in float32: the
+    query multiplied by ``M`` before, the output by ``Mᵀ`` after, in place."""
+    @functools.wraps(attention)
+    def wrapped(query: torch.Tensor, *args, rotation: torch.Tensor | None = None, **kwargs
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if rotation is None:
+            return attention(query, *args, **kwargs)
+        m = rotation.to(query.device, torch.float32)
+        out, lse = attention(query.float() @ m, *args, **kwargs)
+        out.copy_(out @ m.T)
+        return out, lse
+    return wrapped
 
 
 def next_pow2(n: int, floor: int = 16) -> int:

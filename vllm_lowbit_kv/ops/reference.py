@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .page_format import PageFormat, PageGeometry, attention_outputs, page_format
+from .page_format import PageFormat, PageGeometry, attention_outputs, page_format, rotating
 
 name = "torch"
 DEVICE_TYPES = ("cpu", "cuda")
@@ -22,6 +22,7 @@ def supports(fmt: PageFormat, device: torch.device | str, gqa: int) -> str | Non
     return None
 
 
+@rotating
 def packed_attention_reference(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Tensor,
                                page: PageFormat | PageGeometry, group_table: torch.Tensor,
                                num_groups: torch.Tensor, skip_tokens: torch.Tensor, scale: float,

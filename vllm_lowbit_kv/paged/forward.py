@@ -57,12 +57,12 @@ def packed_part(packed_attention, layout: PagedLayout, query: torch.Tensor,
                 q_start: torch.Tensor, pages: torch.Tensor, group_table: torch.Tensor,
                 num_groups: torch.Tensor, skip_tokens: torch.Tensor, scale: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed groups' attention (out, lse) through ``packed_attention``; with a rotating
-    layout the query is rotated (float32) and the output un-rotated around it."""
+    """The packed groups' attention (out, lse) through ``packed_attention``, given a
+    rotating layout's matrix (the contract's ``rotation``: the query rotated, the output
+    un-rotated, by the kernel where it can)."""
     rot = layout.rotation
-    out, lse = packed_attention(query if rot is None else rot.rotate(query.float()), q_start,
-                                pages, layout, group_table, num_groups, skip_tokens, scale)
-    return (out if rot is None else rot.unrotate(out)), lse
+    return packed_attention(query, q_start, pages, layout, group_table, num_groups, skip_tokens,
+                            scale, rotation=None if rot is None else rot.matrix(query.device))
 
 
 def forward_split_layer(wplan: WritePlan, rplan: ReadPlan, split: HeadSplitLayout,

@@ -43,6 +43,11 @@
 // multiplied out once at the end); otherwise, and for tiles, decoded one group at a time
 // and read as dense rows.
 //
+// A rotating layout's pages hold K M and V M (an orthonormal M, rotation.py): the kernel
+// multiplies each query vector by M as it loads it and each output row by M^T as it
+// writes it, so a rotation costs two small matrix-vector products per row, not a pass of
+// its own.
+//
 // Vectors are GCC/Clang vector extensions of the build's register width (vectors.h: 16
 // floats with AVX-512, 8 with AVX2).
 //
@@ -1397,7 +1402,34 @@ struct Run {
   int64_t q_row_stride, q_head_stride;
   int64_t Hq, G;
   float scale;
+  // the layout's rotation (pages hold K M and V M): M [D][D] row-major, or nullptr; the
+  // query is read as q M, the output written as o M^T
+  const float* rot;
 };
+
+// y[c0 + c] = sum_j x[j] mat[j * D + c0 + c] for NV vectors of outputs from c0, their sums
+// in registers side by side (independent chains)
+template <int NV>
+void row_times_columns(const float* x, const float* mat, int D, int c0, float* y) {
+  vf acc[NV] = {};
+  for (int j = 0; j < D; ++j) {
+    const vf xj = splat(x[j]);
+    for (int v = 0; v < NV; ++v) acc[v] += xj * loadf(mat + size_t(j) * D + c0 + v * L);
+  }
+  for (int v = 0; v < NV; ++v) storef(y + c0 + v * L, acc[v]);
+}
+
+// y = x M for a row-major M [D][D] (y must not alias x)
+void row_times_matrix(const float* x, const float* mat, int D, float* y) {
+  for (int c0 = 0; c0 < D; c0 += 4 * L) {
+    switch (std::min(4, (D - c0) / L)) {
+      case 1: row_times_columns<1>(x, mat, D, c0, y); break;
+      case 2: row_times_columns<2>(x, mat, D, c0, y); break;
+      case 3: row_times_columns<3>(x, mat, D, c0, y); break;
+      default: row_times_columns<4>(x, mat, D, c0, y); break;
+    }
+  }
+}
 
 inline float load_q(const Run& run, int64_t row, int64_t head, int64_t c) {
   const int64_t i = row * run.q_row_stride + head * run.q_head_stride + c;
@@ -1485,6 +1517,11 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
     for (int64_t g = 0; g < run.G; ++g)
       for (int c = 0; c < D; ++c)
         q[(i * run.G + g) * D + c] = load_q(run, q0 + i, it.h * run.G + g, c) * q_scale;
+  if (run.rot) {  // the scratch's u is free until the first group's keys
+    float* rotated = wk.s.u.data();
+    for (int m = 0; m < M; ++m) row_times_matrix(q + m * D, run.rot, D, rotated + m * D);
+    std::copy(rotated, rotated + size_t(M) * D, q);
+  }
 #if defined(__AVX512BF16__)
   if (pairs) bf16_row(q, int64_t(M) * D, reinterpret_cast<uint16_t*>(wk.qb));
 #endif
@@ -1583,13 +1620,17 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
 void write_rows(const Run& run, int64_t r, int64_t h, const float* acc, const float* mrun,
                 const float* lsum, float* out, float* lse, int D) {
   const int64_t q0 = run.q_start[r], rows = run.q_start[r + 1] - q0;
+  std::vector<float> normalized(run.rot ? D : 0);
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t g = 0; g < run.G; ++g) {
       const int64_t m = i * run.G + g, head = h * run.G + g;
       float* o = out + ((q0 + i) * run.Hq + head) * D;
       const bool any = lsum[m] > 0.f;
       const float inv = any ? 1.f / lsum[m] : 0.f;
-      for (int c = 0; c < D; ++c) o[c] = acc[m * D + c] * inv;
+      float* dst = run.rot ? normalized.data() : o;
+      for (int c = 0; c < D; ++c) dst[c] = acc[m * D + c] * inv;
+      if (run.rot)  // (o M^T)[c] = M's row c . o
+        for (int c = 0; c < D; ++c) o[c] = dot(run.rot + size_t(c) * D, dst, D);
       lse[(q0 + i) * run.Hq + head] = any ? mrun[m] + std::log(lsum[m]) : kNegInf;
     }
 }
@@ -1603,7 +1644,8 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
                       const at::Tensor& skip_tokens, double scale, at::IntArrayRef geometry,
                       at::IntArrayRef key_desc, at::IntArrayRef value_desc,
                       const at::Tensor& fft_map, const at::Tensor& codebooks,
-                      const at::Tensor& key_columns, const at::Tensor& out, const at::Tensor& lse) {
+                      const at::Tensor& key_columns, const at::Tensor& rotation,
+                      const at::Tensor& out, const at::Tensor& lse) {
   TORCH_CHECK(geometry.size() == G_COUNT, "geometry: ", G_COUNT, " entries expected");
   Format f{int(geometry[G_T]), int(geometry[G_D]), round_up(int(geometry[G_T])),
            int(geometry[G_H]), int(geometry[G_N]), geometry[G_SINK_BYTES],
@@ -1676,6 +1718,9 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
                 "fft_map: float32 contiguous [n1, n1] (A transposed)");
     f.fft_map_t = fft_map.data_ptr<float>();
   }
+  TORCH_CHECK(rotation.numel() == 0 || (rotation.scalar_type() == at::kFloat &&
+                                         rotation.is_contiguous() && rotation.numel() == D * D),
+              "rotation: float32 contiguous [head_dim, head_dim], or empty");
   const int64_t* qs = q_start.data_ptr<int64_t>();
   const int64_t* ng = num_groups.data_ptr<int64_t>();
   const int64_t* sk = skip_tokens.data_ptr<int64_t>();
@@ -1748,7 +1793,8 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
 
   Run run{&f, pages.data_ptr<uint8_t>(), pages.stride(0), pages.stride(1), qs, table,
           group_table.stride(0), sk, query.scalar_type(), query.data_ptr(), query.stride(0),
-          query.stride(1), Hq, G, float(scale)};
+          query.stride(1), Hq, G, float(scale),
+          rotation.numel() ? rotation.data_ptr<float>() : nullptr};
 
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
     Work wk(f, int(max_m), int64_t(max_m >= kTileMinVectors));
@@ -1805,8 +1851,8 @@ TORCH_LIBRARY_FRAGMENT(lowbit_kv, m) {
   m.def(
       "packed_attention(Tensor query, Tensor q_start, Tensor pages, Tensor group_table, "
       "Tensor num_groups, Tensor skip_tokens, float scale, int[] geometry, int[] key_desc, "
-      "int[] value_desc, Tensor fft_map, Tensor codebooks, Tensor key_columns, Tensor(a!) out, "
-      "Tensor(b!) lse) -> ()");
+      "int[] value_desc, Tensor fft_map, Tensor codebooks, Tensor key_columns, Tensor rotation, "
+      "Tensor(a!) out, Tensor(b!) lse) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lowbit_kv, CPU, m) { m.impl("packed_attention", &packed_attention); }

@@ -52,7 +52,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from ...codecs.base import require
 
-from ..page_format import PageFormat, PageGeometry, attention_outputs, fft_matrix
+from ..page_format import PageFormat, PageGeometry, attention_outputs, fft_matrix, rotating
 from . import _jit
 from ._jit import load_code_rows, load_codes, load_f16, load_trits
 from .store_kernel import kernel_constants, readable_format
@@ -348,6 +348,7 @@ def _default_splits(device: torch.device, programs: int, max_groups: int) -> int
     return max(1, min(want, max_groups // 4))
 
 
+@rotating
 def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Tensor,
                      page: PageFormat | PageGeometry, group_table: torch.Tensor,
                      num_groups: torch.Tensor, skip_tokens: torch.Tensor, scale: float, *,
