@@ -469,7 +469,7 @@ inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
 // (vdpbf16ps: products of bf16 exact in float32, one rounding per sum; DAZ/FTZ moves a
 // product by under 2^-126 |c_j|). The minimum comes from the registers of the pass; the
 // candidates (about two per row) are the set bits of the compare masks, read 64 codes at
-// a time.
+// a time; a single candidate is the answer without its float32 distance.
 // approx: scratch of R * C floats. d a multiple of 16, at most kMaxPairGroup.
 template <int R>
 void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t* out,
@@ -509,8 +509,19 @@ void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t
     for (int blk = 0; blk < blocks; ++blk)
       masks[blk] = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + blk * kLanes), limit, _CMP_LE_OQ);
     std::fill(masks + blocks, masks + blocks + 3, __mmask16{0});  // the last word's rest
-    float best = std::numeric_limits<float>::infinity();
+    int candidates = 0;
     int32_t found = 0;
+    for (int c0 = 0; c0 < C; c0 += 64) {
+      uint64_t bits;
+      std::memcpy(&bits, masks + c0 / kLanes, sizeof bits);
+      candidates += __builtin_popcountll(bits);
+      if (bits) found = c0 + __builtin_ctzll(bits);
+    }
+    if (candidates == 1) {  // the float32 nearest is among the candidates: it is this one
+      out[i] = found;
+      continue;
+    }
+    float best = std::numeric_limits<float>::infinity();
     for (int c0 = 0; c0 < C; c0 += 64) {
       uint64_t bits;
       std::memcpy(&bits, masks + c0 / kLanes, sizeof bits);
