@@ -10,17 +10,18 @@ stays exact in math, because ``M`` is orthonormal (``M Mᵀ = I``):
     Σ p v = (Σ p (v M)) Mᵀ          output: un-rotate the attention output once
 
 so the packed-attention kernels read rotated pages with a rotated query and
-need no change to their inner loops. The signs are drawn from ``seed`` and the
-layer index and stored nowhere but the configuration.
+need no change to their inner loops: they take ``M`` as the ops contract's
+``rotation`` (the C++ kernel multiplies each query vector as it loads it and each
+output row as it writes it). The signs are drawn from ``seed`` and the layer index
+and stored nowhere but the configuration.
 
 The transform is a fast Walsh-Hadamard transform (``log2 d`` butterfly stages,
 ``O(d log d)``), checked against the dense matrix in tests/test_rotation.py.
 No well-kept CPU implementation exists to reuse: Dao-AILab's
 ``fast-hadamard-transform`` is CUDA only, and torch has none. The butterfly builds
-``M`` once per layer and device; rotating is then one float32 matrix product: at
-head_dim 64 a decode step's query (16 requests, 9 heads) takes 10 us that way on a
-2-core EPYC against 100 us for the butterfly's dozen small tensor operations, which
-cost more than the packed kernel they wrap at short contexts.
+``M`` once per layer, device and dtype; :meth:`HadamardRotation.rotate` (K and V
+before encoding) is then one float32 matrix product, not a dozen small tensor
+operations.
 """
 
 from __future__ import annotations

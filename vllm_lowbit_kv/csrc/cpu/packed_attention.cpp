@@ -1407,30 +1407,6 @@ struct Run {
   const float* rot;
 };
 
-// y[c0 + c] = sum_j x[j] mat[j * D + c0 + c] for NV vectors of outputs from c0, their sums
-// in registers side by side (independent chains)
-template <int NV>
-void row_times_columns(const float* x, const float* mat, int D, int c0, float* y) {
-  vf acc[NV] = {};
-  for (int j = 0; j < D; ++j) {
-    const vf xj = splat(x[j]);
-    for (int v = 0; v < NV; ++v) acc[v] += xj * loadf(mat + size_t(j) * D + c0 + v * L);
-  }
-  for (int v = 0; v < NV; ++v) storef(y + c0 + v * L, acc[v]);
-}
-
-// y = x M for a row-major M [D][D] (y must not alias x)
-void row_times_matrix(const float* x, const float* mat, int D, float* y) {
-  for (int c0 = 0; c0 < D; c0 += 4 * L) {
-    switch (std::min(4, (D - c0) / L)) {
-      case 1: row_times_columns<1>(x, mat, D, c0, y); break;
-      case 2: row_times_columns<2>(x, mat, D, c0, y); break;
-      case 3: row_times_columns<3>(x, mat, D, c0, y); break;
-      default: row_times_columns<4>(x, mat, D, c0, y); break;
-    }
-  }
-}
-
 inline float load_q(const Run& run, int64_t row, int64_t head, int64_t c) {
   const int64_t i = row * run.q_row_stride + head * run.q_head_stride + c;
   switch (run.qtype) {
@@ -1517,9 +1493,9 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
     for (int64_t g = 0; g < run.G; ++g)
       for (int c = 0; c < D; ++c)
         q[(i * run.G + g) * D + c] = load_q(run, q0 + i, it.h * run.G + g, c) * q_scale;
-  if (run.rot) {  // the scratch's u is free until the first group's keys
+  if (run.rot) {  // q M (the scratch's u is free until the first group's keys)
     float* rotated = wk.s.u.data();
-    for (int m = 0; m < M; ++m) row_times_matrix(q + m * D, run.rot, D, rotated + m * D);
+    LOWBIT_FOR_BLOCKS(M, mat_vec, run.rot, D, q, rotated)
     std::copy(rotated, rotated + size_t(M) * D, q);
   }
 #if defined(__AVX512BF16__)
