@@ -64,19 +64,17 @@ class HadamardRotation:
         gen = torch.Generator(device="cpu").manual_seed(1_000_003 * int(seed) + int(layer))
         self.head_dim = head_dim
         self.signs = torch.randint(0, 2, (head_dim,), generator=gen, device="cpu").float() * 2 - 1
-        #: (device, dtype, transposed) -> M or Mᵀ, contiguous: a decode step's rotation
-        #: is one matrix product, nothing else
+        #: (device, dtype) -> M, built once: every use is one matrix product
         self._matrices: dict[tuple, torch.Tensor] = {}
 
-    def matrix(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               transposed: bool = False) -> torch.Tensor:
-        """The dense ``M`` [d, d] (or ``Mᵀ``) on ``device``: the butterfly applied to
-        ``diag(s)`` in float32, built once per device and dtype."""
-        key = (torch.device(device), dtype, transposed)
+    def matrix(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+               ) -> torch.Tensor:
+        """The dense ``M`` [d, d] on ``device``: the butterfly applied to ``diag(s)`` in
+        float32, built once per device and dtype."""
+        key = (torch.device(device), dtype)
         m = self._matrices.get(key)
         if m is None:
-            m = walsh_hadamard(torch.diag(self.signs))
-            m = self._matrices[key] = (m.T if transposed else m).contiguous().to(key[0], dtype)
+            m = self._matrices[key] = walsh_hadamard(torch.diag(self.signs)).to(*key)
         return m
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,6 +87,6 @@ class HadamardRotation:
 
     def _times(self, x: torch.Tensor, transposed: bool) -> torch.Tensor:
         dtype = torch.promote_types(x.dtype, torch.float32)
-        y = torch.matmul(x if x.dtype == dtype else x.to(dtype),
-                         self.matrix(x.device, dtype, transposed))
+        m = self.matrix(x.device, dtype)
+        y = torch.matmul(x if x.dtype == dtype else x.to(dtype), m.mT if transposed else m)
         return y if y.dtype == x.dtype else y.to(x.dtype)
