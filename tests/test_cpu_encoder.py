@@ -121,21 +121,32 @@ def test_rvq_encoder_matches_the_codecs_random_shapes(rvq_codebook_file, scheme,
     check_store(layout, k, v * scale, seed)
 
 
-def test_rvq_encoder_takes_the_lowest_of_tied_codes(tmp_path):
-    """Every code has a twin in the codebook's upper half: each search ties exactly, and
-    the lowest index wins, as torch's argmin (the codecs) decides."""
+def twin_codebooks(path, apart, seed=7):
+    """rvq4x256 codebooks whose upper half is the lower half moved ``apart``: 0 (exact
+    twins), "bf16 step" (every element of a bf16-exact lower half one bf16 step up or
+    down) or a float (that fraction of each element, random signs); the file's path."""
     from vllm_lowbit_kv.codecs.base import ModelIdentity
     from vllm_lowbit_kv.codecs.rvq import RVQCodebooks, RVQSettings
 
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(seed)
     shape = (1, 4, 256, 32)
     key, value = (torch.randn(shape, generator=g) * 0.3 for _ in range(2))
     for books in (key, value):
-        books[:, :, 128:] = books[:, :, :128]
-    path = RVQCodebooks(key, value, ModelIdentity("test", 1, 2, 64),
-                        RVQSettings(4, 256, 32, "strided", "contiguous"), {}).save(
-        tmp_path / "twins.safetensors")
-    layout = rvq_layout("rvq4x256", path, 2, 16)
+        signs = torch.randint(0, 2, books[:, :, 128:].shape, generator=g) * 2 - 1
+        if apart == "bf16 step":
+            books.copy_(books.bfloat16().float())
+            bits = books[:, :, :128].bfloat16().view(torch.int16)
+            books[:, :, 128:] = (bits + signs.to(torch.int16)).view(torch.bfloat16).float()
+        else:
+            books[:, :, 128:] = books[:, :, :128] * (1 + apart * signs)
+    return RVQCodebooks(key, value, ModelIdentity("test", 1, 2, 64),
+                        RVQSettings(4, 256, 32, "strided", "contiguous"), {}).save(path)
+
+
+def test_rvq_encoder_takes_the_lowest_of_tied_codes(tmp_path):
+    """Every code has a twin in the codebook's upper half: each search ties exactly, and
+    the lowest index wins, as torch's argmin (the codecs) decides."""
+    layout = rvq_layout("rvq4x256", twin_codebooks(tmp_path / "twins.safetensors", 0.0), 2, 16)
     k, v = kv(3, 16, 2, 64, torch.float32, seed=2)
     ref, got, gids = check_store(layout, k, v)
     states, kb = layout.read_states(got, gids), layout.format.k_bytes
@@ -143,6 +154,26 @@ def test_rvq_encoder_takes_the_lowest_of_tied_codes(tmp_path):
                         (layout.value_codec, states[..., kb:])):
         codes = fields(codec, part)["codes"]
         assert int(unpack_bits(codes, 8, codes.shape[-1]).max()) < 128
+
+
+@pytest.mark.parametrize("apart,signs", [(2.0 ** -10, False), ("bf16 step", False),
+                                         (2.0 ** -10, True)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rvq_encoder_separates_codes_closer_than_bf16_resolves(tmp_path, apart, signs, seed):
+    """Twins a fraction of bf16's step apart, or one step apart with bf16-exact codes: the
+    bf16 pass often orders a pair wrongly, by the codes' rounding or by the residual's,
+    and only its error bound keeps the nearest among the codes decided in float32 (a
+    bound that is too tight picks the other twin). ``signs``: tokens of 32 ones and 32
+    minus ones (std 1), so that the first stage's residual is bf16-exact and the codes'
+    rounding alone moves the pass."""
+    layout = rvq_layout("rvq4x256", twin_codebooks(tmp_path / "near.safetensors", apart, seed),
+                        2, 64)
+    k, v = kv(4, 64, 2, 64, torch.float32, seed=seed)
+    if signs:
+        g = torch.Generator().manual_seed(seed)
+        ones = torch.tensor([1.0, -1.0]).repeat_interleave(32)
+        k, v = (ones[torch.argsort(torch.rand(4, 64, 2, 64, generator=g), -1)] for _ in "kv")
+    check_store(layout, k, v, seed)
 
 
 @pytest.mark.parametrize("magnitude", [1e-6, 3e4])

@@ -173,18 +173,31 @@ def _rvq(kind: int, codec, offset) -> list[int]:
 def _search_tables(codec) -> tuple[torch.Tensor, torch.Tensor]:
     """An RVQ codec's codebooks [K, C, d] as the encoder's search reads them
     (csrc/cpu/encode_states.cpp, RvqBooks): float32 codes transposed [K, d, C], ||c||^2
-    [K, C] (as the codec computes them), each stage's largest ||c|| [K]; and, where d is
-    a multiple of 16 up to 128, the words of bf16 pairs [K, d / 2, C]: (c_2j, c_2j+1),
-    rounded to nearest even, low half first (else none)."""
+    [K, C] (as the codec computes them); the bf16 pass's error bound terms, with
+    c' = bf16(c): ||c|| + ||c' - c|| and 2 ||c' - c|| [K, C] and each stage's largest of
+    both [K, 2], rounded up; and, where d is a multiple of 16 up to 128, the words of bf16
+    pairs [K, d / 2, C]: (c'_2j, c'_2j+1), rounded to nearest even, low half first (else
+    none)."""
     books = codec.codewords
     norms = (books * books).sum(-1)
     cols = books.transpose(1, 2).contiguous()
-    floats = torch.cat([cols.reshape(-1), norms.reshape(-1), norms.sqrt().amax(1)])
+    exact = books.double()
+    rounding = (books.to(torch.bfloat16).double() - exact).norm(dim=-1)
+    spread, twice_rounding = exact.norm(dim=-1) + rounding, 2 * rounding
+    largest = torch.stack([spread.amax(1), twice_rounding.amax(1)], 1)
+    bounds = [_float32_up(t).reshape(-1) for t in (spread, twice_rounding, largest)]
+    floats = torch.cat([cols.reshape(-1), norms.reshape(-1), *bounds])
     d = codec.group_size
     if d % LANES or d > 128:
         return floats, torch.empty(0, dtype=torch.int32)
     half = cols.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
     return floats, (half[:, 0::2] | (half[:, 1::2] << 16)).reshape(-1)
+
+
+def _float32_up(x: torch.Tensor) -> torch.Tensor:
+    """float64 -> the float32 at or above each element."""
+    y = x.float()
+    return torch.where(y.double() < x, torch.nextafter(y, torch.tensor(float("inf"))), y)
 
 
 def _descriptors(fmt: PageFormat) -> Descriptors:

@@ -331,16 +331,19 @@ constexpr int kMaxCodes = 1 << 16;  // codes per codebook (indices of at most 16
 
 // One role's codebooks as the search reads them, prepared once per page format in Python
 // (vllm_lowbit_kv/ops/cpu.py, _search_tables): codes [K, C, d] (the layer's, as the
-// kernel reads them), the same transposed to [K, d, C], ||c||^2 [K, C], each stage's
-// largest ||c|| [K] and, where d is a multiple of 16 up to kMaxPairGroup, the bf16 pairs
-// [K, d / 2, C] ((c_2j, c_2j+1) of code c in a word) of the first pass.
+// kernel reads them), the same transposed to [K, d, C], ||c||^2 [K, C]; for the bf16
+// pass's error bound (nearest_codes_bf16; c' = bf16(c)) ||c|| + ||c' - c|| [K, C],
+// 2 ||c' - c|| [K, C] and each stage's largest of both [K, 2]; and, where d is a multiple
+// of 16 up to kMaxPairGroup, the bf16 pairs [K, d / 2, C] ((c'_2j, c'_2j+1) of code c in
+// a word) of the first pass.
 struct RvqBooks {
   int K = 0, C = 0, d = 0;
-  const float *codes = nullptr, *columns = nullptr, *norms = nullptr, *max_norm = nullptr;
+  const float *codes = nullptr, *columns = nullptr, *norms = nullptr;
+  const float *spread = nullptr, *twice_rounding = nullptr, *largest = nullptr;
   const uint32_t* pairs = nullptr;
   static bool has_pairs(int64_t d) { return d % kLanes == 0 && d <= kMaxPairGroup; }
   static int64_t search_floats(const std::vector<int64_t>& desc) {
-    return desc[RV_K] * desc[RV_C] * (desc[RV_GROUP] + 1) + desc[RV_K];
+    return desc[RV_K] * desc[RV_C] * (desc[RV_GROUP] + 3) + 2 * desc[RV_K];
   }
   static int64_t pair_words(const std::vector<int64_t>& desc) {
     return has_pairs(desc[RV_GROUP]) ? desc[RV_K] * desc[RV_C] * desc[RV_GROUP] / 2 : 0;
@@ -356,8 +359,10 @@ struct RvqBooks {
     books += kc * d;
     columns = search;
     norms = columns + kc * d;
-    max_norm = norms + kc;
-    search = max_norm + K;
+    spread = norms + kc;
+    twice_rounding = spread + kc;
+    largest = twice_rounding + kc;
+    search = largest + 2 * K;
 #if defined(__AVX512BF16__)
     if (has_pairs(d)) pairs = pair_words_at;
 #endif
@@ -426,16 +431,9 @@ void nearest_codes(const float* const* r, const RvqBooks& b, int k, int32_t* out
 }
 
 #if defined(__AVX512BF16__)
-// float -> bf16 bits, round to nearest even (finite x)
-inline uint32_t bf16_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
-
 // approx[i * C + c] = ||c||^2 - 2 r_i.c in bf16 products (float32 sums) of NV * 16 codes
 // from c0, and lo[i] = the lanewise minimum of lo[i] and those distances; w: bf16 pairs
-// of -2 r_i, [R][d / 2]
+// of -2 r_i, [R][d / 2] (the bf16 values in channel order)
 template <int R, int NV>
 inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
                              const float* norms, int C, int c0, float* approx, __m512* lo) {
@@ -462,36 +460,48 @@ inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
 }
 
 // nearest_codes in two passes: every distance in bf16 products (vdpbf16ps, twice
-// float32's multiply-add rate), then in float32 only the codes within twice the bf16
-// pass's error bound of its minimum, which always holds the float32 nearest: bf16
-// rounding of -2 r and c moves a product by at most (2u + u^2) |2 r_j c_j| (u = 2^-8),
-// so the pass is off by at most 0.0158 ||r|| max||c|| plus its float32 sums' rounding
-// (vdpbf16ps: products of bf16 exact in float32, one rounding per sum; DAZ/FTZ moves a
-// product by under 2^-126 |c_j|). The minimum comes from the registers of the pass; the
-// candidates (about two per row) are the set bits of the compare masks, read 64 codes at
-// a time; a single candidate is the answer without its float32 distance.
+// float32's multiply-add rate), then in float32 only the codes the pass cannot tell from
+// the nearest. With w = bf16(-2 r) = -2 r + e_r and c' = bf16(c) = c + e_c, the pass sums
+// w.c' = -2 r.c + e_r.c' - 2 r.e_c exactly in its products (bf16 products are exact in
+// float32), so by Cauchy-Schwarz it is off by at most
+//     bound(c) = ||e_r|| (||c|| + ||e_c||) + ||r|| 2 ||e_c|| + s,
+// s its float32 sums' rounding (d <= 128 roundings of at most 2^-24 (||c||^2 + 2 ||r||
+// ||c'||): under 1.6e-5 ||r|| c'max + 1e-5 c'max^2; DAZ/FTZ moves a product by under
+// 2^-126 |c_j|). The nearest code c* has approx(c*) - bound(c*) <= its distance <= every
+// code's distance <= min approx + max bound, so the candidates are the codes with
+// approx(c) - bound(c) <= min approx + max bound (about 1.2 per row on SmolLM2's K and
+// V; the codes' own bounds, not the largest, make most rows single). The minimum comes
+// from the registers of the pass; the candidates are the set bits of the compare masks, read 64 codes at a
+// time; a single candidate is the answer without its float32 distance.
 // approx: scratch of R * C floats. d a multiple of 16, at most kMaxPairGroup.
 template <int R>
 void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t* out,
                         float* approx) {
   const int d = b.d, C = b.C, half = d / 2;
-  const uint32_t* pairs = b.pairs + static_cast<size_t>(k) * half * C;
-  const float* norms = b.norms + static_cast<size_t>(k) * C;
-  const float* codes = b.codes + static_cast<size_t>(k) * C * d;
+  const size_t kc = static_cast<size_t>(k) * C;
+  const uint32_t* pairs = b.pairs + kc * half;
+  const float* norms = b.norms + kc;
+  const float* codes = b.codes + kc * d;
+  const float *spread = b.spread + kc, *twice_rounding = b.twice_rounding + kc;
+  const float spread_max = b.largest[2 * k], twice_rounding_max = b.largest[2 * k + 1];
+  // the norms below carry float32 rounding of a few parts in 2^24 at most: 2^-12 covers it
+  constexpr float kSlack = 1.f + 1.f / 4096;
   uint32_t w[R * kMaxPairGroup / 2];
-  float err[R];
-  // bf16 rounding 0.01566 ||r|| cmax; float32 sums (d <= 128 roundings of at most
-  // 2^-24 (||c||^2 + 2 ||r|| ||c||)): under 1.6e-5 ||r|| cmax + 7.7e-6 cmax^2
-  const float cmax = b.max_norm[k];
+  float r_norm[R], w_error[R], sums[R];
   for (int i = 0; i < R; ++i) {
-    __m512 rr = _mm512_setzero_ps();
+    __m512 rr = _mm512_setzero_ps(), ee = _mm512_setzero_ps();
     for (int j = 0; j < d; j += kLanes) {
-      const __m512 x = _mm512_loadu_ps(r[i] + j);
+      const __m512 x = _mm512_loadu_ps(r[i] + j), w2 = _mm512_mul_ps(x, _mm512_set1_ps(-2.f));
+      const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(w2));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + i * half + j / 2), bits);
+      const __m512 e = _mm512_sub_ps(  // exact: a float minus its rounding to 8 bits
+          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)), w2);
       rr = _mm512_fmadd_ps(x, x, rr);
+      ee = _mm512_fmadd_ps(e, e, ee);
     }
-    err[i] = 0.0158f * std::sqrt(_mm512_reduce_add_ps(rr)) * cmax + 1e-5f * cmax * cmax + 1e-30f;
-    for (int j = 0; j < half; ++j)
-      w[i * half + j] = bf16_bits(-2.f * r[i][2 * j]) | bf16_bits(-2.f * r[i][2 * j + 1]) << 16;
+    r_norm[i] = std::sqrt(_mm512_reduce_add_ps(rr)) * kSlack;
+    w_error[i] = std::sqrt(_mm512_reduce_add_ps(ee)) * kSlack;
+    sums[i] = (1.6e-5f * r_norm[i] + 1e-5f * spread_max) * spread_max + 1e-30f;
   }
   __m512 lo[R];
   for (int i = 0; i < R; ++i) lo[i] = _mm512_set1_ps(std::numeric_limits<float>::infinity());
@@ -501,13 +511,22 @@ void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t
   for (; c0 < C; c0 += kLanes) approx_distances<R, 1>(w, half, pairs, norms, C, c0, approx, lo);
   for (int i = 0; i < R; ++i) {
     const float* a = approx + i * C;
-    const __m512 limit = _mm512_set1_ps(_mm512_reduce_min_ps(lo[i]) + 2.f * err[i]);
+    const __m512 limit = _mm512_set1_ps(_mm512_reduce_min_ps(lo[i]) + w_error[i] * spread_max +
+                                        r_norm[i] * twice_rounding_max + sums[i]);
+    const __m512 we = _mm512_set1_ps(w_error[i]), rn = _mm512_set1_ps(r_norm[i]);
+    const __m512 s = _mm512_set1_ps(sums[i]);
     // the candidates as a bitmap of the codes (16 per compare, read back 64 at a time):
-    // about two in all, so the loop below runs a few times
+    // about one in all, so the loop below runs a few times
     __mmask16 masks[kMaxCodes / kLanes + 3];
     const int blocks = C / kLanes;
-    for (int blk = 0; blk < blocks; ++blk)
-      masks[blk] = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + blk * kLanes), limit, _CMP_LE_OQ);
+    for (int blk = 0; blk < blocks; ++blk) {
+      const int c0 = blk * kLanes;
+      const __m512 bound = _mm512_fmadd_ps(
+          we, _mm512_loadu_ps(spread + c0),
+          _mm512_fmadd_ps(rn, _mm512_loadu_ps(twice_rounding + c0), s));
+      masks[blk] = _mm512_cmp_ps_mask(_mm512_sub_ps(_mm512_loadu_ps(a + c0), bound), limit,
+                                      _CMP_LE_OQ);
+    }
     std::fill(masks + blocks, masks + blocks + 3, __mmask16{0});  // the last word's rest
     int candidates = 0;
     int32_t found = 0;
