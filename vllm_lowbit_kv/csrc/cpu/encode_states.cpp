@@ -471,8 +471,8 @@ inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
 // code's distance <= min approx + max bound, so the candidates are the codes with
 // approx(c) - bound(c) <= min approx + max bound (about 1.2 per row on SmolLM2's K and
 // V; the codes' own bounds, not the largest, make most rows single). The minimum comes
-// from the registers of the pass; the candidates are the set bits of the compare masks, read 64 codes at a
-// time; a single candidate is the answer without its float32 distance.
+// from the registers of the pass; the candidates are the set bits of the compare masks,
+// read 64 codes at a time; a single candidate is the answer without its float32 distance.
 // approx: scratch of R * C floats. d a multiple of 16, at most kMaxPairGroup.
 template <int R>
 void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t* out,
