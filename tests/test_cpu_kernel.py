@@ -92,14 +92,14 @@ def random_case(layout, n_groups, q_rows, Hq, seed, num_blocks=None, key_scale=2
 
 
 def check(layout, pages, table, num_groups, q_start, query, skip, scale=0.125, out_tol=OUT_TOL,
-          lse_tol=LSE_TOL):
+          lse_tol=LSE_TOL, rotation=None):
     want_out, want_lse = packed_attention_reference(query, q_start, pages, layout, table,
-                                                    num_groups, skip, scale)
+                                                    num_groups, skip, scale, rotation=rotation)
     n, Hq, D = query.shape
     out = torch.full((n, Hq, D), float("nan"))
     lse = torch.full((n, Hq), float("nan"))
     got_out, got_lse = cpu.packed_attention(query, q_start, pages, layout, table, num_groups,
-                                            skip, scale, out=out, lse=lse)
+                                            skip, scale, out=out, lse=lse, rotation=rotation)
     assert got_out is out and got_lse is lse
     torch.testing.assert_close(got_out, want_out, **out_tol)
     torch.testing.assert_close(got_lse, want_lse, **lse_tol)  # -inf where no packed key
@@ -262,6 +262,11 @@ want_out, want_lse = dense_reference(q.bfloat16(), q[:, :2].bfloat16(), q[:, 2:]
                                      0.1, 0)
 torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
 torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=0)
+# the query and output rotation in this build's vector width (the output's lane sums)
+m, _ = torch.linalg.qr(torch.randn(64, 64, generator=torch.Generator().manual_seed(1)))
+layout = layout_for("vidkv", {}, H=2, T=32, block_size=64, sinks=2)
+pages, table, ng, q_start, query = random_case(layout, [3, 1], [2, 1], 6, seed=5)
+check(layout, pages, table, ng, q_start, query.bfloat16(), torch.tensor([2, 0]), rotation=m)
 # the encoder in this build (RVQ: the float32 search where it lacks AVX-512 BF16)
 import os, tempfile
 from test_cpu_encoder import FORMATS as ENCODED, check_store, kv

@@ -1596,17 +1596,16 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
 void write_rows(const Run& run, int64_t r, int64_t h, const float* acc, const float* mrun,
                 const float* lsum, float* out, float* lse, int D) {
   const int64_t q0 = run.q_start[r], rows = run.q_start[r + 1] - q0;
-  std::vector<float> normalized(run.rot ? D : 0);
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t g = 0; g < run.G; ++g) {
       const int64_t m = i * run.G + g, head = h * run.G + g;
       float* o = out + ((q0 + i) * run.Hq + head) * D;
       const bool any = lsum[m] > 0.f;
       const float inv = any ? 1.f / lsum[m] : 0.f;
-      float* dst = run.rot ? normalized.data() : o;
-      for (int c = 0; c < D; ++c) dst[c] = acc[m * D + c] * inv;
-      if (run.rot)  // (o M^T)[c] = M's row c . o
-        for (int c = 0; c < D; ++c) o[c] = dot(run.rot + size_t(c) * D, dst, D);
+      if (run.rot)  // (o M^T)[c] = M's row c . o, o = acc / lsum
+        for (int c = 0; c < D; ++c) o[c] = dot(run.rot + size_t(c) * D, acc + m * D, D) * inv;
+      else
+        for (int c = 0; c < D; ++c) o[c] = acc[m * D + c] * inv;
       lse[(q0 + i) * run.Hq + head] = any ? mrun[m] + std::log(lsum[m]) : kNegInf;
     }
 }
