@@ -37,18 +37,9 @@ constexpr int KB = 4 * L;   // keys per block
 constexpr int RB = 64;      // query rows per work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-typedef uint16_t vh __attribute__((vector_size(2 * L)));
-
-// 16 elements -> floats (bf16: the bits are the high half of a float32)
+// L elements -> floats
 inline vf load16(const float* p) { return loadf(p); }
-inline vf load16(const uint16_t* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  const vu u = __builtin_convertvector(h, vu) << 16;
-  vf f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+inline vf load16(const uint16_t* p) { return load_bf16(p); }
 
 template <typename T>
 struct Args {
@@ -107,32 +98,9 @@ void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
     } else
 #endif
       tile_scores<FloatTiles>(q, int(M), D, kt, KB, ntp, p, KB);
-    for (int64_t m = 0; m < M; ++m) {  // online softmax, probabilities in place
-      const int64_t visible = std::min<int64_t>(nt, limit[m] - j0);
-      float* pm = &p[m * KB];
-      if (visible <= 0) {  // nothing new for this vector
-        std::fill(pm, pm + ntp, 0.f);
-        continue;
-      }
-      vf mx = splat(kNegInf);
-      for (int t = 0; t < ntp; t += L) {
-        const vf s = iota() + t < int(visible) ? loadf(pm + t) * score_scale : splat(kNegInf);
-        storef(pm + t, s);
-        mx = mx > s ? mx : s;
-      }
-      const float m_new = std::max(mrun[m], hmax(mx));
-      const float corr = std::exp(mrun[m] - m_new);  // 0 for the first keys (mrun = -inf)
-      vf total{};
-      for (int t = 0; t < ntp; t += L) {
-        const vf e = vexp(loadf(pm + t) - m_new);
-        total += e;
-        storef(pm + t, e);
-      }
-      lsum[m] = lsum[m] * corr + hsum(total);
-      mrun[m] = m_new;
-      if (corr != 1.f)
-        for (int64_t c = 0; c < D; c += L) storef(&o[m * D + c], loadf(&o[m * D + c]) * corr);
-    }
+    for (int64_t m = 0; m < M; ++m)  // online softmax, probabilities in place
+      softmax_block(&p[m * KB], ntp, 0, int(std::min<int64_t>(nt, limit[m] - j0)), score_scale,
+                    mrun[m], lsum[m], &o[m * D], int(D));
 #if defined(__AVX512BF16__)
     if (pairs) {
       for (int64_t m = 0; m < M; ++m)

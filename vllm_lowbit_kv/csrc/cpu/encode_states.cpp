@@ -561,6 +561,27 @@ void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t
 }
 #endif
 
+// population std of x[0, n) in double: mean and variance as eight partial sums each (lanes
+// the compiler can vectorize; double keeps the order's effect far below fp16's rounding)
+double population_std(const float* x, int n) {
+  constexpr int kParts = 8;
+  double part[kParts] = {};
+  int c = 0;
+  for (; c + kParts <= n; c += kParts)
+    for (int l = 0; l < kParts; ++l) part[l] += x[c + l];
+  for (; c < n; ++c) part[c % kParts] += x[c];
+  double mean = 0;
+  for (double v : part) mean += v;
+  mean /= n;
+  double var[kParts] = {};
+  for (c = 0; c + kParts <= n; c += kParts)
+    for (int l = 0; l < kParts; ++l) var[l] += (x[c + l] - mean) * (x[c + l] - mean);
+  for (; c < n; ++c) var[c % kParts] += (x[c] - mean) * (x[c] - mean);
+  double sum = 0;
+  for (double v : var) sum += v;
+  return std::sqrt(sum / n);
+}
+
 // RVQ of x [T, D] (rvq.RVQCodec.encode_groups): per token the fp16 population std (1 where
 // 0) divides the vector, whose channel groups (strided: channel j * n + g of group g) are
 // coded by Algorithm 1, K greedy stages of nearest codes; indices [T, n, K] packed. Stage
@@ -575,11 +596,7 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
   s.work.resize(static_cast<size_t>(kSearchRows) * b.C);  // the bf16 pass's distances
   for (int t = 0; t < T; ++t) {
     const float* row = x + static_cast<size_t>(t) * D;
-    double mean = 0, var = 0;
-    for (int c = 0; c < D; ++c) mean += row[c];
-    mean /= D;
-    for (int c = 0; c < D; ++c) var += (row[c] - mean) * (row[c] - mean);
-    s.lo[t] = to_half(static_cast<float>(std::sqrt(var / D)));
+    s.lo[t] = to_half(static_cast<float>(population_std(row, D)));
     const float scale = s.lo[t] > 0.f ? s.lo[t] : 1.f;
     float* z = s.y.data() + static_cast<size_t>(t) * n * d;
     for (int g = 0; g < n; ++g)
@@ -598,12 +615,14 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
       else
 #endif
         nearest_codes<kSearchRows>(r, b, k, found);
-      for (int a = 0; a < m; ++a) {
-        idx[static_cast<size_t>(i + a) * K + k] = found[a];
-        const float* c = b.codes + (static_cast<size_t>(k) * b.C + found[a]) * d;
-        float* res = s.y.data() + static_cast<size_t>(i + a) * d;
-        for (int j = 0; j < d; ++j) res[j] -= c[j];
-      }
+      for (int a = 0; a < m; ++a) idx[static_cast<size_t>(i + a) * K + k] = found[a];
+    }
+    // the residuals after the whole stage's search: a row's update waits for its code, and
+    // in the search loop that wait held back the next rows' search
+    for (int i = 0; i < rows; ++i) {
+      const float* c = b.codes + (static_cast<size_t>(k) * b.C + idx[static_cast<size_t>(i) * K + k]) * d;
+      float* res = s.y.data() + static_cast<size_t>(i) * d;
+      for (int j = 0; j < d; ++j) res[j] -= c[j];
     }
   }
   pack_codes(idx, static_cast<int64_t>(rows) * K, static_cast<int>(desc[RV_BITS]),

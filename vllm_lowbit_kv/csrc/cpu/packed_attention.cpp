@@ -1407,12 +1407,25 @@ struct Run {
   const float* rot;
 };
 
-inline float load_q(const Run& run, int64_t row, int64_t head, int64_t c) {
-  const int64_t i = row * run.q_row_stride + head * run.q_head_stride + c;
-  switch (run.qtype) {
-    case at::kFloat: return static_cast<const float*>(run.query)[i];
-    case at::kBFloat16: return float(static_cast<const c10::BFloat16*>(run.query)[i]);
-    default: return float(static_cast<const c10::Half*>(run.query)[i]);
+// dst[0, D) = the query vector of (row, head) times scale, as float32
+inline void load_query(const Run& run, int64_t row, int64_t head, int D, float scale,
+                       float* dst) {
+  const int64_t at = row * run.q_row_stride + head * run.q_head_stride;
+  int c = 0;
+  if (run.qtype == at::kBFloat16) {
+    const uint16_t* src = static_cast<const uint16_t*>(run.query) + at;
+    for (; c + L <= D; c += L) storef(dst + c, load_bf16(src + c) * scale);
+  } else if (run.qtype == at::kFloat) {
+    const float* src = static_cast<const float*>(run.query) + at;
+    for (; c + L <= D; c += L) storef(dst + c, loadf(src + c) * scale);
+  }
+  for (; c < D; ++c) {  // fp16, and what is left past the last vector
+    const int64_t i = at + c;
+    switch (run.qtype) {
+      case at::kFloat: dst[c] = static_cast<const float*>(run.query)[i] * scale; break;
+      case at::kBFloat16: dst[c] = float(static_cast<const c10::BFloat16*>(run.query)[i]) * scale; break;
+      default: dst[c] = float(static_cast<const c10::Half*>(run.query)[i]) * scale;
+    }
   }
 }
 
@@ -1491,8 +1504,7 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
   const float q_scale = pairs ? 1.f : run.scale;
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t g = 0; g < run.G; ++g)
-      for (int c = 0; c < D; ++c)
-        q[(i * run.G + g) * D + c] = load_q(run, q0 + i, it.h * run.G + g, c) * q_scale;
+      load_query(run, q0 + i, it.h * run.G + g, D, q_scale, q + (i * run.G + g) * D);
   if (run.rot) {  // q M (the scratch's u is free until the first group's keys)
     float* rotated = wk.s.u.data();
     LOWBIT_FOR_BLOCKS(M, mat_vec, run.rot, D, q, rotated)
@@ -1536,7 +1548,6 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
         key_pairs(wk.kt, TP, D, TP, wk.kp);
         value_pairs(wk.vrows, D, T, wk.zeros, wk.vp);
         tile_scores<Bf16PairTiles>(wk.qb, M, D, wk.kp, TP, TP, sc, TP);
-        for (int64_t i = 0; i < int64_t(M) * TP; i += L) storef(sc + i, loadf(sc + i) * run.scale);
       } else
 #endif
         tile_scores<FloatTiles>(q, M, D, wk.kt, TP, TP, sc, TP);
@@ -1547,32 +1558,9 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
     }
     const int masked = int(std::clamp<int64_t>(skip - gi * T, 0, T));  // leading sink positions
     for (int m = 0; m < M; ++m) {
-      float* row = sc + m * TP;
-      std::fill(row, row + masked, kNegInf);
-      std::fill(row + T, row + TP, kNegInf);
-      vf mx = splat(kNegInf);
-      for (int t = 0; t < TP; t += L) mx = mx > loadf(row + t) ? mx : loadf(row + t);
-      const float mnew = std::max(mrun[m], hmax(mx));
-      if (mnew == kNegInf) {  // every position of this group masked
-        std::fill(row, row + TP, 0.f);
-        if (val_rvq) wk.rvq.corr[m] = 1.f;
-        continue;
-      }
-      const float corr = std::exp(mrun[m] - mnew);  // 0 for the first keys
-      if (val_rvq) wk.rvq.corr[m] = mrun[m] == kNegInf ? 1.f : corr;  // nothing summed yet
-      mrun[m] = mnew;
-      vf psum = vf{};
-      for (int t = 0; t < TP; t += L) {
-        const vf e = vexp(loadf(row + t) - mnew);
-        storef(row + t, e);
-        psum += e;
-      }
-      lsum[m] = lsum[m] * corr + hsum(psum);
-      if (corr != 1.f) {
-        float* am = acc + size_t(m) * D;
-#pragma omp simd
-        for (int c = 0; c < D; ++c) am[c] *= corr;
-      }
+      const float corr = softmax_block(sc + m * TP, TP, masked, T, pairs ? run.scale : 1.f,
+                                       mrun[m], lsum[m], acc + size_t(m) * D, D);
+      if (val_rvq) wk.rvq.corr[m] = corr;
     }
 #if defined(__AVX512BF16__)
     if (pairs) {

@@ -2,8 +2,14 @@
 // 16 floats with AVX-512, else 8) and the softmax helpers both CPU kernels use.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace lowbit_kv {
 namespace {
@@ -45,8 +51,25 @@ inline float hsum(vf v) {
   return v[0];
 }
 
-// exp(x) for softmax arguments (x <= 0 or -inf): Cody-Waite range reduction and a
-// degree-6 Taylor polynomial, about 1 ulp; x < -87 gives 0.
+// exp(x) for softmax arguments (x <= 0 or -inf): Cody-Waite range reduction to |r| <= ln 2 / 2
+// and a degree-6 Taylor polynomial, about 1 ulp; x < -87 gives 0, NaN stays NaN.
+#if defined(__AVX512F__)
+// the power of two by a rounding and a vscalefps: about half the instructions of the
+// integer route below (the exponent built from a float-to-int conversion)
+inline vf vexp(vf x) {
+  const __m512 xs = reinterpret_cast<__m512>(x);
+  const __m512 v = _mm512_max_ps(_mm512_set1_ps(-87.f), xs);  // NaN: vmaxps returns xs
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), v);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-06f), r);
+  __m512 p = _mm512_set1_ps(0.00138888892f);
+  for (const float c : {0.00833333377f, 0.0416666679f, 0.166666672f, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __mmask16 live = _mm512_cmp_ps_mask(xs, _mm512_set1_ps(-87.f), _CMP_NLT_UQ);
+  return reinterpret_cast<vf>(_mm512_maskz_scalef_ps(live, p, k));
+}
+#else
 inline vf vexp(vf x) {
   const vf v = x < -87.f ? splat(-87.f) : x;
   vf k = v * 1.44269504f + 0.5f;
@@ -59,6 +82,54 @@ inline vf vexp(vf x) {
   vf scale;
   std::memcpy(&scale, &e, sizeof scale);
   return x < -87.f ? vf{} : p * scale;
+}
+#endif
+
+// L bf16 values -> floats (a bf16 is the high half of a float32)
+inline vf load_bf16(const uint16_t* p) {
+  typedef uint16_t vh __attribute__((vector_size(2 * L)));
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu u = __builtin_convertvector(h, vu) << 16;
+  vf f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// One block of keys of an online softmax, for one query vector. row[0, n) holds its raw
+// scores (n a multiple of L), of which positions [lo, hi) count. Leaves in row the
+// probabilities exp(scale s - m) (0 outside [lo, hi)), m the new running maximum; updates
+// mrun and lsum (the sum of those probabilities) and multiplies acc[0, D) (what the earlier
+// blocks summed) by the correction exp(old m - m), which it returns (1 where nothing
+// changes: no position counts, or nothing was summed before).
+inline float softmax_block(float* row, int n, int lo, int hi, float scale, float& mrun,
+                           float& lsum, float* acc, int D) {
+  constexpr float kNoKey = -std::numeric_limits<float>::infinity();
+  if (hi <= lo) {
+    std::fill(row, row + n, 0.f);
+    return 1.f;
+  }
+  const vi lane = iota();
+  vf mx = splat(kNoKey);
+  for (int t = 0; t < n; t += L) {
+    const vi pos = lane + t;
+    const vf s = (pos >= lo) & (pos < hi) ? loadf(row + t) * scale : splat(kNoKey);
+    storef(row + t, s);
+    mx = mx > s ? mx : s;
+  }
+  const float m_new = std::max(mrun, hmax(mx));
+  const float corr = mrun == kNoKey ? 1.f : vexp(splat(mrun - m_new))[0];
+  vf total{};
+  for (int t = 0; t < n; t += L) {
+    const vf e = vexp(loadf(row + t) - m_new);
+    total += e;
+    storef(row + t, e);
+  }
+  lsum = lsum * corr + hsum(total);
+  mrun = m_new;
+  if (corr != 1.f)
+    for (int c = 0; c < D; ++c) acc[c] *= corr;
+  return corr;
 }
 
 }  // namespace
