@@ -131,6 +131,28 @@ def test_kernel_reads_rvq_pages(scheme, dtype, rvq_codebook_file):
     assert select_implementation(layout.format, "cpu", gqa=3)[0] == "cpp"
 
 
+@pytest.mark.parametrize("group_size", [8, 64])
+def test_kernel_reads_rvq_pages_of_any_group_size(group_size, tmp_path):
+    """Channel groups beside the decode's vector paths (groups of 32 channels, keys in two
+    strided groups zipped by shuffles): 8 channels, shorter than a vector, with 8 strided
+    key groups put back channel by channel; and one group of all 64 channels."""
+    from vllm_lowbit_kv.codecs.base import ModelIdentity
+    from vllm_lowbit_kv.codecs.rvq import RVQCodebooks, RVQSettings
+
+    kc, vc = get_scheme("rvq4x256").with_params(group_size=group_size).codecs(64)
+    settings = RVQSettings(kc.num_codebooks, kc.codebook_size, group_size, kc.grouping,
+                           vc.grouping)
+    shape = (30, kc.num_codebooks, kc.codebook_size, group_size)
+    g = torch.Generator().manual_seed(group_size)
+    path = RVQCodebooks(torch.randn(shape, generator=g) * 0.3, torch.randn(shape, generator=g) * 0.3,
+                        ModelIdentity("SmolLM2-135M-Instruct", 30, 3, 64), settings,
+                        {"note": "random codes (tests)"}).save(tmp_path / "books.safetensors")
+    layout = layout_for("rvq4x256", {"codebook": str(path), "group_size": group_size}, H=3,
+                        T=32, block_size=96, sinks=4)
+    pages, table, ng, q_start, query = random_case(layout, [5, 0, 3], [3, 1, 1], Hq=9, seed=2)
+    check(layout, pages, table, ng, q_start, query, torch.tensor([4, 0, 0]))
+
+
 @pytest.mark.parametrize("scheme", RVQ_SCHEMES)
 def test_rvq_tables_match_reference(scheme, rvq_codebook_file):
     """Long contexts, where the kernel reads RVQ codes through per-query tables (scores as

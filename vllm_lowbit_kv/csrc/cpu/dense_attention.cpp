@@ -80,15 +80,17 @@ void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
   const int64_t jmax = *std::max_element(limit.begin(), limit.end());
   for (int64_t j0 = 0; j0 < jmax; j0 += KB) {
     const int nt = int(std::min<int64_t>(KB, jmax - j0)), ntp = round_up(nt);
-    for (int t = 0; t < ntp; ++t) {  // keys transposed, values as rows; past nt: 0
-      const bool in = t < nt;
-      const T* kr = a.k + (j0 + t) * a.ks0 + h * a.ks1;
-      const T* vr = a.v + (j0 + t) * a.vs0 + h * a.vs1;
+    for (int t0 = 0; t0 < ntp; t0 += L)  // keys transposed, L x L at a time; past nt: 0
       for (int64_t c = 0; c < D; c += L) {
-        const vf kc = in ? load16(kr + c) : vf{};
-        for (int l = 0; l < L; ++l) kt[(c + l) * KB + t] = kc[l];
-        storef(&vt[t * D + c], in ? load16(vr + c) : vf{});
+        vf block[L];
+        for (int i = 0; i < L; ++i)
+          block[i] = t0 + i < nt ? load16(a.k + (j0 + t0 + i) * a.ks0 + h * a.ks1 + c) : vf{};
+        transpose(block);
+        for (int i = 0; i < L; ++i) storef(&kt[(c + i) * KB + t0], block[i]);
       }
+    for (int t = 0; t < ntp; ++t) {  // values as rows; past nt: 0
+      const T* vr = a.v + (j0 + t) * a.vs0 + h * a.vs1;
+      for (int64_t c = 0; c < D; c += L) storef(&vt[t * D + c], t < nt ? load16(vr + c) : vf{});
     }
 #if defined(__AVX512BF16__)
     if (pairs) {

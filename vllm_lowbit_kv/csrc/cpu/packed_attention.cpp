@@ -930,24 +930,47 @@ void rvq_indices(const uint8_t* st, const RvqShape& r, int T, int32_t* idx, floa
 
 // RVQ group -> rows x [T][D]: per token and channel group the sum of its K codewords,
 // times the token's std, channels put back by the grouping
-// (vllm_lowbit_kv/codecs/rvq.py: decode_groups).
+// (vllm_lowbit_kv/codecs/rvq.py: decode_groups). The sums run L channels at a time in
+// registers; strided groups of two (D = 2 d^, keys) are interleaved by two shuffles per
+// 2 L channels, other strided groups element by element.
 void rvq_decode(const uint8_t* st, const std::vector<int64_t>& d, const float* books, int T, int D,
                 float* x, Scratch& s) {
   const RvqShape r(d, D);
   int32_t* idx = s.rvq_idx.data();
   float* sd = s.rvq_sd.data();
-  float* z = s.meta.data();
   rvq_indices(st, r, T, idx, sd);
-  for (int t = 0; t < T; ++t)
+  const bool zip = r.strided && r.n == 2 && r.gs % L == 0;
+  const vi lo = (iota() >> 1) + (iota() & 1) * L, hi = lo + L / 2;  // lanes of a, b zipped
+  for (int t = 0; t < T; ++t) {
+    float* row = x + int64_t(t) * D;
+    const bool apart = r.strided && r.n > 1;  // one group is contiguous either way
+    float* z = apart ? s.meta.data() : row;  // group g's sums at z + g gs
     for (int g = 0; g < r.n; ++g) {
-      std::fill(z, z + r.gs, 0.f);
-      for (int k = 0; k < r.K; ++k) {
-        const float* c = books + (int64_t(k) * r.C + idx[(t * r.n + g) * r.K + k]) * r.gs;
-#pragma omp simd
-        for (int j = 0; j < r.gs; ++j) z[j] += c[j];
+      const int32_t* ti = idx + (t * r.n + g) * r.K;
+      float* zg = z + g * r.gs;
+      int j = 0;
+      for (; j + L <= r.gs; j += L) {
+        vf acc{};
+        for (int k = 0; k < r.K; ++k) acc += loadf(books + (int64_t(k) * r.C + ti[k]) * r.gs + j);
+        storef(zg + j, acc * sd[t]);
       }
-      for (int j = 0; j < r.gs; ++j) x[int64_t(t) * D + r.channel(g, j)] = z[j] * sd[t];
+      for (; j < r.gs; ++j) {
+        float acc = 0.f;
+        for (int k = 0; k < r.K; ++k) acc += books[(int64_t(k) * r.C + ti[k]) * r.gs + j];
+        zg[j] = acc * sd[t];
+      }
     }
+    if (zip) {
+      for (int j = 0; j < r.gs; j += L) {
+        const vf a = loadf(z + j), b = loadf(z + r.gs + j);
+        storef(row + 2 * j, __builtin_shuffle(a, b, lo));
+        storef(row + 2 * j + L, __builtin_shuffle(a, b, hi));
+      }
+    } else if (apart) {
+      for (int g = 0; g < r.n; ++g)
+        for (int j = 0; j < r.gs; ++j) row[r.channel(g, j)] = z[g * r.gs + j];
+    }
+  }
 }
 
 // RVQ key group -> its channels xt[c * TP + t] = k_t[c] (tail tokens 0)
@@ -955,9 +978,13 @@ void rvq_key_columns(const Format& f, const uint8_t* st, float* xt, Scratch& s) 
   const int T = f.T, D = f.D, TP = f.TP;
   float* x = s.x.data();
   rvq_decode(st, f.key, f.key_books, T, D, x, s);
-  std::fill(xt, xt + size_t(D) * TP, 0.f);
-  for (int t = 0; t < T; ++t)
-    for (int c = 0; c < D; ++c) xt[size_t(c) * TP + t] = x[int64_t(t) * D + c];
+  for (int t0 = 0; t0 < TP; t0 += L)
+    for (int c0 = 0; c0 < D; c0 += L) {
+      vf block[L];
+      for (int i = 0; i < L; ++i) block[i] = t0 + i < T ? loadf(x + int64_t(t0 + i) * D + c0) : vf{};
+      transpose(block);
+      for (int i = 0; i < L; ++i) storef(xt + size_t(c0 + i) * TP + t0, block[i]);
+    }
 }
 
 void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float* sc, Scratch& s) {

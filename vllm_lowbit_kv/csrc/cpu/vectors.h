@@ -51,6 +51,24 @@ inline float hsum(vf v) {
   return v[0];
 }
 
+// x[0, L), L vectors read as the rows of a matrix, transposed in registers: afterwards
+// x[i][j] is the old x[j][i]. log2(L) butterfly stages of L two-source shuffles: in stage
+// h, rows i and i + h (bit h of i clear) trade the lanes with bit h set for the other's
+// lanes with it clear.
+inline void transpose(vf* x) {
+  const vi lane = iota();
+  for (int h = 1; h < L; h *= 2) {
+    const vi high = (lane & h) != 0;
+    const vi lo = high ? lane - h + L : lane, hi = high ? lane + L : lane + h;
+    for (int i = 0; i < L; ++i)
+      if (!(i & h)) {
+        const vf a = x[i], b = x[i + h];
+        x[i] = __builtin_shuffle(a, b, lo);
+        x[i + h] = __builtin_shuffle(a, b, hi);
+      }
+  }
+}
+
 // exp(x) for softmax arguments (x <= 0 or -inf): Cody-Waite range reduction to |r| <= ln 2 / 2
 // and a degree-6 Taylor polynomial, about 1 ulp; x < -87 gives 0, NaN stays NaN.
 #if defined(__AVX512F__)
