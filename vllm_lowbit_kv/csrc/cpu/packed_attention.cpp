@@ -940,7 +940,6 @@ void rvq_decode(const uint8_t* st, const std::vector<int64_t>& d, const float* b
   float* sd = s.rvq_sd.data();
   rvq_indices(st, r, T, idx, sd);
   const bool zip = r.strided && r.n == 2 && r.gs % L == 0;
-  const vi lo = (iota() >> 1) + (iota() & 1) * L, hi = lo + L / 2;  // lanes of a, b zipped
   for (int t = 0; t < T; ++t) {
     float* row = x + int64_t(t) * D;
     const bool apart = r.strided && r.n > 1;  // one group is contiguous either way
@@ -963,8 +962,8 @@ void rvq_decode(const uint8_t* st, const std::vector<int64_t>& d, const float* b
     if (zip) {
       for (int j = 0; j < r.gs; j += L) {
         const vf a = loadf(z + j), b = loadf(z + r.gs + j);
-        storef(row + 2 * j, __builtin_shuffle(a, b, lo));
-        storef(row + 2 * j + L, __builtin_shuffle(a, b, hi));
+        storef(row + 2 * j, zip_low(a, b));
+        storef(row + 2 * j + L, zip_high(a, b));
       }
     } else if (apart) {
       for (int g = 0; g < r.n; ++g)
@@ -1250,39 +1249,59 @@ bool rvq_tables_pay(const RvqShape& r, int D, int M, int64_t tokens) {
 
 size_t rvq_table_floats(const RvqShape& r, int W) { return size_t(r.n) * r.K * r.C * W; }
 
-// keys[((g K + k) C + j) W + m] = q_m,g . c_k[j] (q already scaled), L codes at a time
-// from the codebooks transposed (columns [K][d^][C])
-void rvq_key_table(const RvqShape& r, const float* columns, const float* q, int M, int D,
-                   RvqTables& tab) {
+// keys[((g K + k) C + j) W + m] = q_m,g . c_k[j] for MB query vectors from m0 (q already
+// scaled), L codes at a time from the codebooks transposed (columns [K][d^][C]), each code
+// column loaded once for all MB; with 4-lane rows (M <= 4) the four sums (zeros past M)
+// are interleaved into the rows by two rounds of zips, wider rows take them lane by lane.
+template <int MB>
+void key_table_block(const RvqShape& r, const float* columns, RvqTables& tab, int m0) {
   const int C = r.C, gs = r.gs, W = tab.W;
-  tab.keys.assign(rvq_table_floats(r, W), 0.f);
-  tab.qg.resize(size_t(M) * D);
-  for (int m = 0; m < M; ++m)
-    for (int g = 0; g < r.n; ++g)
-      for (int i = 0; i < gs; ++i) tab.qg[(m * r.n + g) * gs + i] = q[m * D + r.channel(g, i)];
-  alignas(64) float lanes[L];
+  alignas(64) float lanes[MB][L];
   for (int g = 0; g < r.n; ++g)
     for (int k = 0; k < r.K; ++k) {
       const float* bt = columns + size_t(k) * gs * C;
       float* rows = tab.keys.data() + (int64_t(g) * r.K + k) * C * W;
-      for (int m = 0; m < M; ++m) {
-        const float* qm = tab.qg.data() + (m * r.n + g) * gs;
-        for (int j0 = 0; j0 < C; j0 += L) {
-          const int jb = std::min(L, C - j0);
-          if (jb == L) {
-            vf acc = vf{};
-            for (int i = 0; i < gs; ++i) acc += splat(qm[i]) * loadf(bt + size_t(i) * C + j0);
-            storef(lanes, acc);
-          } else {  // the last codes of a codebook whose size is not a multiple of L
-            for (int j = 0; j < jb; ++j) {
-              lanes[j] = 0.f;
-              for (int i = 0; i < gs; ++i) lanes[j] += qm[i] * bt[size_t(i) * C + j0 + j];
-            }
+      const float* qm[MB];
+      for (int b = 0; b < MB; ++b) qm[b] = tab.qg.data() + ((m0 + b) * r.n + g) * gs;
+      for (int j0 = 0; j0 < C; j0 += L) {
+        const int jb = std::min(L, C - j0);
+        vf acc[std::max(MB, 4)] = {};
+        if (jb == L) {
+          for (int i = 0; i < gs; ++i) {
+            const vf col = loadf(bt + size_t(i) * C + j0);
+            for (int b = 0; b < MB; ++b) acc[b] += splat(qm[b][i]) * col;
           }
-          for (int j = 0; j < jb; ++j) rows[(j0 + j) * W + m] = lanes[j];
+        } else {  // the last codes of a codebook whose size is not a multiple of L
+          for (int b = 0; b < MB; ++b)
+            for (int j = 0; j < jb; ++j)
+              for (int i = 0; i < gs; ++i) acc[b][j] += qm[b][i] * bt[size_t(i) * C + j0 + j];
+        }
+        if (W == 4 && jb == L) {
+          const vf t0 = zip_low(acc[0], acc[2]), t1 = zip_high(acc[0], acc[2]);
+          const vf t2 = zip_low(acc[1], acc[3]), t3 = zip_high(acc[1], acc[3]);
+          float* out = rows + int64_t(j0) * 4;
+          storef(out, zip_low(t0, t2));
+          storef(out + L, zip_high(t0, t2));
+          storef(out + 2 * L, zip_low(t1, t3));
+          storef(out + 3 * L, zip_high(t1, t3));
+        } else {
+          for (int b = 0; b < MB; ++b) storef(lanes[b], acc[b]);
+          for (int j = 0; j < jb; ++j)
+            for (int b = 0; b < MB; ++b) rows[(j0 + j) * W + m0 + b] = lanes[b][j];
         }
       }
     }
+}
+
+void rvq_key_table(const RvqShape& r, const float* columns, const float* q, int M, int D,
+                   RvqTables& tab) {
+  tab.keys.assign(rvq_table_floats(r, tab.W), 0.f);
+  tab.qg.resize(size_t(M) * D);
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < r.n; ++g)
+      for (int i = 0; i < r.gs; ++i)
+        tab.qg[(m * r.n + g) * r.gs + i] = q[m * D + r.channel(g, i)];
+  LOWBIT_FOR_BLOCKS(M, key_table_block, r, columns, tab)
 }
 
 // VW floats (4 or L) as one vector
@@ -1383,32 +1402,44 @@ inline vf code_slice(const float* p, int n) {
 }
 
 // acc[m * D + c] += the value table multiplied out: sum_{g,k,j} w_gkj,m c_k[j] at the
-// channels of group g (L channels at a time in registers, two sums over the codes)
-void rvq_fold_values(const RvqShape& r, const float* books, const RvqTables& tab, int M, int D,
-                     float* acc, Scratch& s) {
-  float* z = s.meta.data();  // one group's channels [d^] (+ slack)
+// channels of group g, for MB query vectors from m0: L channels of each in registers, two
+// sums per vector over the codes, each code slice loaded once for all MB
+template <int MB>
+void fold_block(const RvqShape& r, const float* books, const RvqTables& tab, int D, float* acc,
+                int m0) {
   const int gs = r.gs, W = tab.W;
-  for (int m = 0; m < M; ++m)
-    for (int g = 0; g < r.n; ++g) {
-      for (int i0 = 0; i0 < gs; i0 += L) {
-        vf s0 = vf{}, s1 = vf{};  // two chains of multiply-adds
-        for (int k = 0; k < r.K; ++k) {
-          const float* w = tab.values.data() + (int64_t(g) * r.K + k) * r.C * W + m;
-          const float* c = books + int64_t(k) * r.C * gs + i0;
-          auto term = [&](int j) {
-            return splat(w[int64_t(j) * W]) * code_slice(c + int64_t(j) * gs, gs - i0);
-          };
-          int j = 0;
-          for (; j + 2 <= r.C; j += 2) {
-            s0 += term(j);
-            s1 += term(j + 1);
+  alignas(64) float lanes[L];
+  for (int g = 0; g < r.n; ++g)
+    for (int i0 = 0; i0 < gs; i0 += L) {
+      vf s0[MB] = {}, s1[MB] = {};
+      for (int k = 0; k < r.K; ++k) {
+        const float* w = tab.values.data() + (int64_t(g) * r.K + k) * r.C * W + m0;
+        const float* c = books + int64_t(k) * r.C * gs + i0;
+        int j = 0;
+        for (; j + 2 <= r.C; j += 2) {
+          const vf c0 = code_slice(c + int64_t(j) * gs, gs - i0);
+          const vf c1 = code_slice(c + int64_t(j + 1) * gs, gs - i0);
+          for (int b = 0; b < MB; ++b) {
+            s0[b] += splat(w[int64_t(j) * W + b]) * c0;
+            s1[b] += splat(w[int64_t(j + 1) * W + b]) * c1;
           }
-          if (j < r.C) s0 += term(j);
         }
-        storef(z + i0, s0 + s1);
+        if (j < r.C) {
+          const vf c0 = code_slice(c + int64_t(j) * gs, gs - i0);
+          for (int b = 0; b < MB; ++b) s0[b] += splat(w[int64_t(j) * W + b]) * c0;
+        }
       }
-      for (int i = 0; i < gs; ++i) acc[m * D + r.channel(g, i)] += z[i];
+      for (int b = 0; b < MB; ++b) {
+        storef(lanes, s0[b] + s1[b]);
+        for (int i = i0; i < std::min(gs, i0 + L); ++i)
+          acc[(m0 + b) * D + r.channel(g, i)] += lanes[i - i0];
+      }
     }
+}
+
+void rvq_fold_values(const RvqShape& r, const float* books, const RvqTables& tab, int M, int D,
+                     float* acc) {
+  LOWBIT_FOR_BLOCKS(M, fold_block, r, books, tab, D, acc)
 }
 
 // -- one work item: request r, KV head h, its groups [g_lo, g_hi) -----------------------
@@ -1605,7 +1636,7 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
       accumulate_values(f, st + f.k_bytes, sc, M, acc, wk.s);
     }
   }
-  if (val_rvq) rvq_fold_values(*val_rvq, f.val_books, wk.rvq, M, D, acc, wk.s);
+  if (val_rvq) rvq_fold_values(*val_rvq, f.val_books, wk.rvq, M, D, acc);
 }
 
 void write_rows(const Run& run, int64_t r, int64_t h, const float* acc, const float* mrun,
@@ -1748,9 +1779,12 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
   if (active.empty()) return;
 
   // Work items: (request, head) pairs, long contexts split so that every thread gets
-  // several items; the splits of one (request, head) are merged below.
+  // several items; the splits of one (request, head) are merged below. RVQ items build
+  // tables of every codeword once per item (rvq_tables_pay), so their contexts are split
+  // only as far as every thread gets one.
   const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
-  const int64_t want_items = 4 * threads;
+  const bool rvq = f.key[0] == KEY_RVQ || f.val[0] == VAL_RVQ;
+  const int64_t want_items = (rvq ? 1 : 4) * threads;
   const int64_t base_items = int64_t(active.size()) * H;
   std::vector<Item> items;
   int64_t partials = 0, max_m = 0;

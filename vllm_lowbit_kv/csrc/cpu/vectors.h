@@ -51,6 +51,12 @@ inline float hsum(vf v) {
   return v[0];
 }
 
+// the lanes of a and b interleaved (a0, b0, a1, b1, ...): from their low halves, or high
+inline vf zip_low(vf a, vf b) { return __builtin_shuffle(a, b, (iota() >> 1) + (iota() & 1) * L); }
+inline vf zip_high(vf a, vf b) {
+  return __builtin_shuffle(a, b, (iota() >> 1) + (iota() & 1) * L + L / 2);
+}
+
 // x[0, L), L vectors read as the rows of a matrix, transposed in registers: afterwards
 // x[i][j] is the old x[j][i]. log2(L) butterfly stages of L two-source shuffles: in stage
 // h, rows i and i + h (bit h of i clear) trade the lanes with bit h set for the other's
