@@ -144,8 +144,8 @@ def test_kernel_reads_rvq_pages_of_any_group_size(group_size, tmp_path):
                            vc.grouping)
     shape = (30, kc.num_codebooks, kc.codebook_size, group_size)
     g = torch.Generator().manual_seed(group_size)
-    path = RVQCodebooks(torch.randn(shape, generator=g) * 0.3, torch.randn(shape, generator=g) * 0.3,
-                        ModelIdentity("SmolLM2-135M-Instruct", 30, 3, 64), settings,
+    books = [torch.randn(shape, generator=g) * 0.3 for _ in ("keys", "values")]
+    path = RVQCodebooks(*books, ModelIdentity("SmolLM2-135M-Instruct", 30, 3, 64), settings,
                         {"note": "random codes (tests)"}).save(tmp_path / "books.safetensors")
     layout = layout_for("rvq4x256", {"codebook": str(path), "group_size": group_size}, H=3,
                         T=32, block_size=96, sinks=4)

@@ -620,7 +620,8 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
     // the residuals after the whole stage's search: a row's update waits for its code, and
     // in the search loop that wait held back the next rows' search
     for (int i = 0; i < rows; ++i) {
-      const float* c = b.codes + (static_cast<size_t>(k) * b.C + idx[static_cast<size_t>(i) * K + k]) * d;
+      const size_t code = static_cast<size_t>(k) * b.C + idx[static_cast<size_t>(i) * K + k];
+      const float* c = b.codes + code * d;
       float* res = s.y.data() + static_cast<size_t>(i) * d;
       for (int j = 0; j < d; ++j) res[j] -= c[j];
     }

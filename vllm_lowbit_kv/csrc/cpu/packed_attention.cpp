@@ -980,7 +980,8 @@ void rvq_key_columns(const Format& f, const uint8_t* st, float* xt, Scratch& s) 
   for (int t0 = 0; t0 < TP; t0 += L)
     for (int c0 = 0; c0 < D; c0 += L) {
       vf block[L];
-      for (int i = 0; i < L; ++i) block[i] = t0 + i < T ? loadf(x + int64_t(t0 + i) * D + c0) : vf{};
+      for (int i = 0; i < L; ++i)
+        block[i] = t0 + i < T ? loadf(x + int64_t(t0 + i) * D + c0) : vf{};
       transpose(block);
       for (int i = 0; i < L; ++i) storef(xt + size_t(c0 + i) * TP + t0, block[i]);
     }
@@ -1468,20 +1469,22 @@ struct Run {
 // dst[0, D) = the query vector of (row, head) times scale, as float32
 inline void load_query(const Run& run, int64_t row, int64_t head, int D, float scale,
                        float* dst) {
-  const int64_t at = row * run.q_row_stride + head * run.q_head_stride;
+  const int64_t first = row * run.q_row_stride + head * run.q_head_stride;
   int c = 0;
   if (run.qtype == at::kBFloat16) {
-    const uint16_t* src = static_cast<const uint16_t*>(run.query) + at;
+    const uint16_t* src = static_cast<const uint16_t*>(run.query) + first;
     for (; c + L <= D; c += L) storef(dst + c, load_bf16(src + c) * scale);
   } else if (run.qtype == at::kFloat) {
-    const float* src = static_cast<const float*>(run.query) + at;
+    const float* src = static_cast<const float*>(run.query) + first;
     for (; c + L <= D; c += L) storef(dst + c, loadf(src + c) * scale);
   }
   for (; c < D; ++c) {  // fp16, and what is left past the last vector
-    const int64_t i = at + c;
+    const int64_t i = first + c;
     switch (run.qtype) {
       case at::kFloat: dst[c] = static_cast<const float*>(run.query)[i] * scale; break;
-      case at::kBFloat16: dst[c] = float(static_cast<const c10::BFloat16*>(run.query)[i]) * scale; break;
+      case at::kBFloat16:
+        dst[c] = float(static_cast<const c10::BFloat16*>(run.query)[i]) * scale;
+        break;
       default: dst[c] = float(static_cast<const c10::Half*>(run.query)[i]) * scale;
     }
   }
