@@ -106,25 +106,27 @@ def model_dir():
 
 @pytest.fixture(scope="session")
 def rvq_codebook_file(tmp_path_factory):
-    """``(scheme name) -> path`` of an RVQ codebook file for the embedded SmolLM2
-    (30 layers, 3 KV heads, head_dim 64) with seeded random codes: for tests of
-    layouts and start-up checks, where what the codes are does not matter."""
+    """``(scheme name, **codec fields) -> path`` of an RVQ codebook file for the embedded
+    SmolLM2 (30 layers, 3 KV heads, head_dim 64) with seeded random codes, made for the
+    scheme's codecs with those fields (``group_size=8``, ...): for tests of layouts,
+    kernels and start-up checks, where what the codes are does not matter."""
     from vllm_lowbit_kv.codecs.base import ModelIdentity
     from vllm_lowbit_kv.codecs.rvq import RVQCodebooks, RVQSettings
     from vllm_lowbit_kv.schemes import get_scheme
 
     made = {}
 
-    def make(name, model=ModelIdentity("SmolLM2-135M-Instruct", 30, 3, 64)):
-        if (name, model) not in made:
-            kc, vc = get_scheme(name).codecs(model.head_dim)
+    def make(name, model=ModelIdentity("SmolLM2-135M-Instruct", 30, 3, 64), **fields):
+        key = (name, model, tuple(sorted(fields.items())))
+        if key not in made:
+            kc, vc = get_scheme(name).with_params(**fields).codecs(model.head_dim)
             s = RVQSettings(kc.num_codebooks, kc.codebook_size, kc.group_size, kc.grouping, vc.grouping)
             g = torch.Generator().manual_seed(0)
             shape = (model.num_layers, s.num_codebooks, s.codebook_size, s.group_size)
             books = RVQCodebooks(torch.randn(shape, generator=g) * 0.3, torch.randn(shape, generator=g) * 0.3,
                                  model, s, {"note": "random codes (tests)"})
-            made[name, model] = books.save(tmp_path_factory.mktemp("rvq") / f"{name}.safetensors")
-        return made[name, model]
+            made[key] = books.save(tmp_path_factory.mktemp("rvq") / f"{name}.safetensors")
+        return made[key]
 
     return make
 

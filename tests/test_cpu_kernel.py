@@ -132,21 +132,11 @@ def test_kernel_reads_rvq_pages(scheme, dtype, rvq_codebook_file):
 
 
 @pytest.mark.parametrize("group_size", [8, 64])
-def test_kernel_reads_rvq_pages_of_any_group_size(group_size, tmp_path):
+def test_kernel_reads_rvq_pages_of_any_group_size(group_size, rvq_codebook_file):
     """Channel groups beside the decode's vector paths (groups of 32 channels, keys in two
     strided groups zipped by shuffles): 8 channels, shorter than a vector, with 8 strided
     key groups put back channel by channel; and one group of all 64 channels."""
-    from vllm_lowbit_kv.codecs.base import ModelIdentity
-    from vllm_lowbit_kv.codecs.rvq import RVQCodebooks, RVQSettings
-
-    kc, vc = get_scheme("rvq4x256").with_params(group_size=group_size).codecs(64)
-    settings = RVQSettings(kc.num_codebooks, kc.codebook_size, group_size, kc.grouping,
-                           vc.grouping)
-    shape = (30, kc.num_codebooks, kc.codebook_size, group_size)
-    g = torch.Generator().manual_seed(group_size)
-    books = [torch.randn(shape, generator=g) * 0.3 for _ in ("keys", "values")]
-    path = RVQCodebooks(*books, ModelIdentity("SmolLM2-135M-Instruct", 30, 3, 64), settings,
-                        {"note": "random codes (tests)"}).save(tmp_path / "books.safetensors")
+    path = rvq_codebook_file("rvq4x256", group_size=group_size)
     layout = layout_for("rvq4x256", {"codebook": str(path), "group_size": group_size}, H=3,
                         T=32, block_size=96, sinks=4)
     pages, table, ng, q_start, query = random_case(layout, [5, 0, 3], [3, 1, 1], Hq=9, seed=2)

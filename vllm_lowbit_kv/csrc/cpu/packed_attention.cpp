@@ -939,10 +939,10 @@ void rvq_decode(const uint8_t* st, const std::vector<int64_t>& d, const float* b
   int32_t* idx = s.rvq_idx.data();
   float* sd = s.rvq_sd.data();
   rvq_indices(st, r, T, idx, sd);
-  const bool zip = r.strided && r.n == 2 && r.gs % L == 0;
+  const bool apart = r.strided && r.n > 1;  // one group is contiguous either way
+  const bool zip = apart && r.n == 2 && r.gs % L == 0;
   for (int t = 0; t < T; ++t) {
     float* row = x + int64_t(t) * D;
-    const bool apart = r.strided && r.n > 1;  // one group is contiguous either way
     float* z = apart ? s.meta.data() : row;  // group g's sums at z + g gs
     for (int g = 0; g < r.n; ++g) {
       const int32_t* ti = idx + (t * r.n + g) * r.K;
