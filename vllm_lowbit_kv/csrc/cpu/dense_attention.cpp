@@ -80,14 +80,9 @@ void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
   const int64_t jmax = *std::max_element(limit.begin(), limit.end());
   for (int64_t j0 = 0; j0 < jmax; j0 += KB) {
     const int nt = int(std::min<int64_t>(KB, jmax - j0)), ntp = round_up(nt);
-    for (int t0 = 0; t0 < ntp; t0 += L)  // keys transposed, L x L at a time; past nt: 0
-      for (int64_t c = 0; c < D; c += L) {
-        vf block[L];
-        for (int i = 0; i < L; ++i)
-          block[i] = t0 + i < nt ? load16(a.k + (j0 + t0 + i) * a.ks0 + h * a.ks1 + c) : vf{};
-        transpose(block);
-        for (int i = 0; i < L; ++i) storef(&kt[(c + i) * KB + t0], block[i]);
-      }
+    const T* keys = a.k + j0 * a.ks0 + h * a.ks1;  // transposed; past nt: 0
+    rows_to_columns([&](int t, int c) { return load16(keys + t * a.ks0 + c); }, nt, ntp,
+                    int(D), kt, KB);
     for (int t = 0; t < ntp; ++t) {  // values as rows; past nt: 0
       const T* vr = a.v + (j0 + t) * a.vs0 + h * a.vs1;
       for (int64_t c = 0; c < D; c += L) storef(&vt[t * D + c], t < nt ? load16(vr + c) : vf{});

@@ -977,14 +977,7 @@ void rvq_key_columns(const Format& f, const uint8_t* st, float* xt, Scratch& s) 
   const int T = f.T, D = f.D, TP = f.TP;
   float* x = s.x.data();
   rvq_decode(st, f.key, f.key_books, T, D, x, s);
-  for (int t0 = 0; t0 < TP; t0 += L)
-    for (int c0 = 0; c0 < D; c0 += L) {
-      vf block[L];
-      for (int i = 0; i < L; ++i)
-        block[i] = t0 + i < T ? loadf(x + int64_t(t0 + i) * D + c0) : vf{};
-      transpose(block);
-      for (int i = 0; i < L; ++i) storef(xt + size_t(c0 + i) * TP + t0, block[i]);
-    }
+  rows_to_columns([&](int t, int c) { return loadf(x + int64_t(t) * D + c); }, T, TP, D, xt, TP);
 }
 
 void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float* sc, Scratch& s) {

@@ -75,6 +75,20 @@ inline void transpose(vf* x) {
   }
 }
 
+// columns[c * ld + t] = element c of row t, for t in [0, np) (np a multiple of L; rows
+// from n on read as 0) and c in [0, D) (a multiple of L), L x L blocks at a time through
+// transpose; row(t, c) gives elements [c, c + L) of row t
+template <typename Row>
+inline void rows_to_columns(Row row, int n, int np, int D, float* columns, int64_t ld) {
+  for (int t0 = 0; t0 < np; t0 += L)
+    for (int c = 0; c < D; c += L) {
+      vf block[L];
+      for (int i = 0; i < L; ++i) block[i] = t0 + i < n ? row(t0 + i, c) : vf{};
+      transpose(block);
+      for (int i = 0; i < L; ++i) storef(columns + int64_t(c + i) * ld + t0, block[i]);
+    }
+}
+
 // exp(x) for softmax arguments (x <= 0 or -inf): Cody-Waite range reduction to |r| <= ln 2 / 2
 // and a degree-6 Taylor polynomial, about 1 ulp; x < -87 gives 0, NaN stays NaN.
 #if defined(__AVX512F__)
