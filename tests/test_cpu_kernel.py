@@ -160,6 +160,18 @@ def test_rvq_tables_match_reference(scheme, rvq_codebook_file):
     check(layout, pages, table, ng, q_start, query, torch.tensor([0]))
 
 
+@pytest.mark.parametrize("group_size", [8, 32])
+def test_rvq_tables_put_strided_value_groups_back(group_size, rvq_codebook_file):
+    """The tables' value fold puts each group's channels back by the grouping: values in
+    strided groups (values default to contiguous ones), of 8 channels (shorter than a
+    vector) and of 32, over a context long enough for the tables."""
+    fields = {"group_size": group_size, "grouping": "strided"}
+    layout = layout_for("rvq4x256", {"codebook": str(rvq_codebook_file("rvq4x256", **fields)),
+                                     **fields}, H=3, T=64, block_size=128, sinks=4)
+    pages, table, ng, q_start, query = random_case(layout, [120, 2], [1, 1], Hq=9, seed=7)
+    check(layout, pages, table, ng, q_start, query, torch.tensor([4, 0]))
+
+
 @settings(max_examples=25, deadline=None)
 @given(scheme=st.sampled_from(["vidkv", "vidkv_stp", "kivi2"]),
        T=st.sampled_from([16, 32, 64]), blocks_per=st.integers(1, 3),
