@@ -845,14 +845,14 @@ struct Scratch {
   std::vector<float> qn, u;     // [M * D]: normal channels of the queries, A q_N
   std::vector<float> tabs;       // lookup tables of kMaxMB query vectors [kMaxMB][D / 2][16]
   std::vector<int> idx2, idxn, kpos, vpos;
-  std::vector<int32_t> rvq_idx;  // RVQ: one group's indices [T * n * K]
-  std::vector<float> rvq_sd;     // and its tokens' std [T]
+  std::vector<int32_t> rvq_rows;  // RVQ: one group's indices as row offsets [T * n * K]
+  std::vector<float> rvq_sd;      // and its tokens' std [T]
   Scratch(const Format& f, int M)
       : words(size_t(f.D / 4 + 1) * f.TP), x(size_t(f.TP) * f.D + 2 * L), ss(size_t(M) * f.TP),
         w(size_t(M) * f.D + L), w1(size_t(M) * f.D + L), cst(M), psum(M),
         meta(4 * size_t(f.D)), qn(size_t(M) * f.D + L), u(size_t(M) * f.D + L),
         tabs(size_t(kMaxMB) * (f.D / 2) * L), idx2(f.D), idxn(f.D), kpos(f.T + L),
-        vpos(f.T + L), rvq_idx(rvq_indices_per_group(f)), rvq_sd(rvq_idx.empty() ? 0 : f.T) {}
+        vpos(f.T + L), rvq_rows(rvq_indices_per_group(f)), rvq_sd(rvq_rows.empty() ? 0 : f.T) {}
 };
 
 // out[m * TP + i] += sum_j w[m * J + j] code(i, j) over rows [0, n) of J b-bit codes (rows
@@ -909,19 +909,21 @@ struct RvqShape {
   int channel(int g, int j) const { return strided ? j * n + g : g * gs + j; }
 };
 
-// A group's indices idx[(t n + g) K + k] (the stream's order: token-major, then group, then
-// codebook; little-end first) and its tokens' std sd[t] (1 where the std is 0)
-void rvq_indices(const uint8_t* st, const RvqShape& r, int T, int32_t* idx, float* sd) {
+// A group's indices as offsets within their tables: index i of the stream (token-major, then
+// group, then codebook; little-end first) picks a row of `width` floats of its table (a
+// codebook's gs-float codes, a per-query table's W lanes), so rows[i] = index_i width; and
+// the tokens' std sd[t] (1 where the std is 0)
+void rvq_rows(const uint8_t* st, const RvqShape& r, int T, int width, int32_t* rows, float* sd) {
   const uint8_t* codes = st + r.codes;
   const uint32_t mask = (1u << r.bits) - 1;
   const int64_t count = int64_t(T) * r.n * r.K;
   if (r.bits == 8) {
-    for (int64_t i = 0; i < count; ++i) idx[i] = codes[i];
+    for (int64_t i = 0; i < count; ++i) rows[i] = codes[i] * width;
   } else {
     for (int64_t i = 0, bit = 0; i < count; ++i, bit += r.bits) {
       const uint8_t* b = codes + (bit >> 3);  // an index spans at most 3 bytes (<= 16 bits)
       const uint32_t w = uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16;
-      idx[i] = int32_t((w >> (bit & 7)) & mask);
+      rows[i] = int32_t((w >> (bit & 7)) & mask) * width;
     }
   }
   halves_to_float(st + r.std, T, sd);
@@ -936,26 +938,27 @@ void rvq_indices(const uint8_t* st, const RvqShape& r, int T, int32_t* idx, floa
 void rvq_decode(const uint8_t* st, const std::vector<int64_t>& d, const float* books, int T, int D,
                 float* x, Scratch& s) {
   const RvqShape r(d, D);
-  int32_t* idx = s.rvq_idx.data();
+  int32_t* rows = s.rvq_rows.data();
   float* sd = s.rvq_sd.data();
-  rvq_indices(st, r, T, idx, sd);
+  rvq_rows(st, r, T, r.gs, rows, sd);
+  const int64_t book = int64_t(r.C) * r.gs;  // floats per codebook
   const bool apart = r.strided && r.n > 1;  // one group is contiguous either way
   const bool zip = apart && r.n == 2 && r.gs % L == 0;
   for (int t = 0; t < T; ++t) {
     float* row = x + int64_t(t) * D;
     float* z = apart ? s.meta.data() : row;  // group g's sums at z + g gs
     for (int g = 0; g < r.n; ++g) {
-      const int32_t* ti = idx + (t * r.n + g) * r.K;
+      const int32_t* code = rows + (t * r.n + g) * r.K;
       float* zg = z + g * r.gs;
       int j = 0;
       for (; j + L <= r.gs; j += L) {
         vf acc{};
-        for (int k = 0; k < r.K; ++k) acc += loadf(books + (int64_t(k) * r.C + ti[k]) * r.gs + j);
+        for (int k = 0; k < r.K; ++k) acc += loadf(books + k * book + code[k] + j);
         storef(zg + j, acc * sd[t]);
       }
       for (; j < r.gs; ++j) {
         float acc = 0.f;
-        for (int k = 0; k < r.K; ++k) acc += books[(int64_t(k) * r.C + ti[k]) * r.gs + j];
+        for (int k = 0; k < r.K; ++k) acc += books[k * book + code[k] + j];
         zg[j] = acc * sd[t];
       }
     }
@@ -1309,17 +1312,16 @@ struct Lanes {
 // sc[m * TP + t] = q_m . k_t for the group's T tokens, from the key table, VW lanes of a
 // row at a time
 template <int VW>
-void table_scores(const int32_t* idx, const float* sd, const RvqShape& r, const float* table,
+void table_scores(const int32_t* rows, const float* sd, const RvqShape& r, const float* table,
                   int T, int M, int W, int TP, float* sc) {
   using V = typename Lanes<VW>::V;
   const int nk = r.n * r.K;
+  const int64_t stride = int64_t(r.C) * W;  // floats per table (g, k)
   alignas(64) float lanes[VW];
   for (int m0 = 0; m0 < M; m0 += VW) {
     for (int t = 0; t < T; ++t) {
-      const int32_t* it = idx + t * nk;
-      auto entry = [&](int gk) {
-        return Lanes<VW>::load(table + (int64_t(gk) * r.C + it[gk]) * W + m0);
-      };
+      const int32_t* row = rows + t * nk;
+      auto entry = [&](int gk) { return Lanes<VW>::load(table + m0 + gk * stride + row[gk]); };
       V a0 = V{}, a1 = V{}, a2 = V{}, a3 = V{};  // one chain of nk additions: the bound
       int gk = 0;
       for (; gk + 4 <= nk; gk += 4) {
@@ -1338,9 +1340,10 @@ void table_scores(const int32_t* idx, const float* sd, const RvqShape& r, const 
 // values[((g K + k) C + j) W + m] += sum of p[m * TP + t] s_t over the tokens t with index j
 // at (g, k), VW lanes of a row at a time
 template <int VW>
-void table_weights(const int32_t* idx, const float* sd, const RvqShape& r, const float* p,
+void table_weights(const int32_t* rows, const float* sd, const RvqShape& r, const float* p,
                    int T, int M, int TP, RvqTables& tab) {
   const int nk = r.n * r.K, W = tab.W;
+  const int64_t stride = int64_t(r.C) * W;  // floats per table (g, k)
   tab.pt.assign(size_t(T) * W, 0.f);  // p_t s_t token-major: a token's weights are one load
   for (int m = 0; m < M; ++m)
     for (int t = 0; t < T; ++t) tab.pt[size_t(t) * W + m] = p[m * TP + t] * sd[t];
@@ -1348,9 +1351,10 @@ void table_weights(const int32_t* idx, const float* sd, const RvqShape& r, const
   for (int m0 = 0; m0 < M; m0 += VW)
     for (int t = 0; t < T; ++t) {
       const auto w = Lanes<VW>::load(tab.pt.data() + size_t(t) * W + m0);
-      const int32_t* it = idx + t * nk;
-      for (int gk = 0; gk < nk; ++gk) {
-        float* e = table + (int64_t(gk) * r.C + it[gk]) * W + m0;
+      const int32_t* row = rows + t * nk;
+      float* base = table + m0;  // table (g, k)
+      for (int gk = 0; gk < nk; ++gk, base += stride) {
+        float* e = base + row[gk];
         Lanes<VW>::store(e, Lanes<VW>::load(e) + w);
       }
     }
@@ -1358,15 +1362,15 @@ void table_weights(const int32_t* idx, const float* sd, const RvqShape& r, const
 
 void rvq_table_scores(const uint8_t* st, const RvqShape& r, const RvqTables& tab, int T, int M,
                       int TP, float* sc, Scratch& s) {
-  rvq_indices(st, r, T, s.rvq_idx.data(), s.rvq_sd.data());
-  (tab.W == 4 ? table_scores<4> : table_scores<L>)(s.rvq_idx.data(), s.rvq_sd.data(), r,
+  rvq_rows(st, r, T, tab.W, s.rvq_rows.data(), s.rvq_sd.data());
+  (tab.W == 4 ? table_scores<4> : table_scores<L>)(s.rvq_rows.data(), s.rvq_sd.data(), r,
                                                    tab.keys.data(), T, M, tab.W, TP, sc);
 }
 
 void rvq_table_weights(const uint8_t* sv, const RvqShape& r, const float* p, int T, int M,
                        int TP, RvqTables& tab, Scratch& s) {
-  rvq_indices(sv, r, T, s.rvq_idx.data(), s.rvq_sd.data());
-  (tab.W == 4 ? table_weights<4> : table_weights<L>)(s.rvq_idx.data(), s.rvq_sd.data(), r, p,
+  rvq_rows(sv, r, T, tab.W, s.rvq_rows.data(), s.rvq_sd.data());
+  (tab.W == 4 ? table_weights<4> : table_weights<L>)(s.rvq_rows.data(), s.rvq_sd.data(), r, p,
                                                      T, M, TP, tab);
 }
 
