@@ -1380,9 +1380,13 @@ void rvq_rescale(RvqTables& tab) {
   const int W = tab.W;
   float* v = tab.values.data();
   const size_t rows = tab.values.size() / W;
-  if (W == 4) {
-    const auto c = Lanes<4>::load(tab.corr.data());
-    for (size_t i = 0; i < rows; ++i) Lanes<4>::store(v + 4 * i, Lanes<4>::load(v + 4 * i) * c);
+  if (W == 4) {  // rows of 4 lanes: whole vectors of L / 4 rows, the corrections repeated
+    vf c;
+    for (int l = 0; l < L; ++l) c[l] = tab.corr[l % 4];
+    size_t i = 0;
+    for (; i + L <= 4 * rows; i += L) storef(v + i, loadf(v + i) * c);
+    for (; i < 4 * rows; i += 4)
+      Lanes<4>::store(v + i, Lanes<4>::load(v + i) * Lanes<4>::load(tab.corr.data()));
   } else {
     for (size_t i = 0; i < rows; ++i)
       for (int m0 = 0; m0 < W; m0 += L)
