@@ -147,13 +147,14 @@ def test_kernel_reads_rvq_pages_of_any_group_size(group_size, rvq_codebook_file)
 def test_rvq_tables_match_reference(scheme, rvq_codebook_file):
     """Long contexts, where the kernel reads RVQ codes through per-query tables (scores as
     sums of q . codeword entries, values as weights per codeword multiplied out at the end;
-    where building them pays: every scheme at 3 query vectors but `rvq`'s 2048-code books
-    below ~5K tokens): 3 and 18 query vectors (4- and 16-lane table rows), sink positions
-    skipped, a short request beside them that decodes its groups instead, and one long
-    request alone (its context split over items, merged by log-sum-exp)."""
+    where building them pays, rvq_tables_pay: every scheme at 3 query vectors but `rvq`'s
+    2048-code books below ~2.4K tokens; at 6, rvq4x256 and rvq8x256): 3 and 6 query vectors
+    (4- and one-vector table rows), sink positions skipped, a short request beside them
+    that decodes its groups instead, and one long request alone (its context split over
+    items, merged by log-sum-exp)."""
     layout = layout_for(scheme, {"codebook": str(rvq_codebook_file(scheme))}, H=3, T=64,
                         block_size=128, sinks=4)
-    pages, table, ng, q_start, query = random_case(layout, [120, 120, 2, 60], [1, 6, 1, 1],
+    pages, table, ng, q_start, query = random_case(layout, [120, 120, 2, 60], [1, 2, 1, 1],
                                                    Hq=9, seed=5)
     check(layout, pages, table, ng, q_start, query.bfloat16(), torch.tensor([4, 0, 0, 64]))
     pages, table, ng, q_start, query = random_case(layout, [200], [1], Hq=9, seed=6)

@@ -1238,10 +1238,18 @@ inline int rvq_row_width(int M) { return M <= 4 ? 4 : round_up(M); }
 
 // whether an item of `tokens` tokens and M query vectors reads this codec faster through
 // tables: building (or multiplying out) one costs M K C D multiply-adds, after which a
-// token costs n K M additions instead of K D (its decode) plus M D (its products)
+// token costs n K M additions instead of K D (its decode) plus M D (its products). The
+// counts weighed by what one thread of a Zen 5 measured: 4-lane rows (M <= 4: a 16-byte
+// read per entry, tables of n K C 4 floats) break even at about half the tokens the counts
+// say (3 query vectors: rvq8x256 ~370, rvq4x256 ~250), one-vector rows at about twice
+// (rvq8x256, 6 and 12 query vectors: ~1.7K and ~3-4K), wider rows not by 16K tokens
+// (rvq8x256 at 24 and 60 vectors: tables of 1 and 2 MB)
 bool rvq_tables_pay(const RvqShape& r, int D, int M, int64_t tokens) {
+  const int W = rvq_row_width(M);
+  if (W > L) return false;
   const int64_t per_token = int64_t(r.K) * D + int64_t(M) * D - int64_t(r.n) * r.K * M;
-  return tokens * per_token > int64_t(M) * r.K * r.C * D;
+  const int64_t build = int64_t(M) * r.K * r.C * D;
+  return W == 4 ? 2 * tokens * per_token > build : tokens * per_token > 2 * build;
 }
 
 size_t rvq_table_floats(const RvqShape& r, int W) { return size_t(r.n) * r.K * r.C * W; }
