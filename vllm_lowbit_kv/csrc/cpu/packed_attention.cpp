@@ -1224,8 +1224,9 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
 // over the tokens whose index at (g, k) is j) c_k[j], weights summed per codeword as the
 // tokens go and multiplied out once at the end. Tables are laid out [g K + k][C][W]: a
 // codeword's row holds the M query vectors' entries in W lanes (4 for up to 4 vectors, as
-// SmolLM2's 3 query heads per KV head, else M rounded up to L; zeros past M), read and
-// added by whole vectors (a 4-lane row never straddles a cache line).
+// SmolLM2's 3 query heads per KV head, else L; zeros past M; items of more than L vectors
+// read no tables, rvq_tables_pay), read and added as one vector (a 4-lane row never
+// straddles a cache line).
 struct RvqTables {
   int W = 0;                        // row width
   std::vector<float> keys, values;  // [n K C W] each, where used
@@ -1234,7 +1235,7 @@ struct RvqTables {
   std::vector<float> pt;            // one group's weights token-major [T][W]
 };
 
-inline int rvq_row_width(int M) { return M <= 4 ? 4 : round_up(M); }
+inline int rvq_row_width(int M) { return M <= 4 ? 4 : L; }
 
 // whether an item of `tokens` tokens and M query vectors reads this codec faster through
 // tables: building (or multiplying out) one costs M K C D multiply-adds, after which a
@@ -1245,11 +1246,10 @@ inline int rvq_row_width(int M) { return M <= 4 ? 4 : round_up(M); }
 // (rvq8x256, 6 and 12 query vectors: ~1.7K and ~3-4K), wider rows not by 16K tokens
 // (rvq8x256 at 24 and 60 vectors: tables of 1 and 2 MB)
 bool rvq_tables_pay(const RvqShape& r, int D, int M, int64_t tokens) {
-  const int W = rvq_row_width(M);
-  if (W > L) return false;
+  if (M > L) return false;
   const int64_t per_token = int64_t(r.K) * D + int64_t(M) * D - int64_t(r.n) * r.K * M;
   const int64_t build = int64_t(M) * r.K * r.C * D;
-  return W == 4 ? 2 * tokens * per_token > build : tokens * per_token > 2 * build;
+  return M <= 4 ? 2 * tokens * per_token > build : tokens * per_token > 2 * build;
 }
 
 size_t rvq_table_floats(const RvqShape& r, int W) { return size_t(r.n) * r.K * r.C * W; }
@@ -1317,62 +1317,57 @@ struct Lanes {
   static void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
 };
 
-// sc[m * TP + t] = q_m . k_t for the group's T tokens, from the key table, VW lanes of a
-// row at a time
+// sc[m * TP + t] = q_m . k_t for the group's T tokens, from the key table of VW-lane rows
 template <int VW>
 void table_scores(const int32_t* rows, const float* sd, const RvqShape& r, const float* table,
-                  int T, int M, int W, int TP, float* sc) {
+                  int T, int M, int TP, float* sc) {
   using V = typename Lanes<VW>::V;
   const int nk = r.n * r.K;
-  const int64_t stride = int64_t(r.C) * W;  // floats per table (g, k)
+  const int64_t stride = int64_t(r.C) * VW;  // floats per table (g, k)
   alignas(64) float lanes[VW];
-  for (int m0 = 0; m0 < M; m0 += VW) {
-    for (int t = 0; t < T; ++t) {
-      const int32_t* row = rows + t * nk;
-      auto entry = [&](int gk) { return Lanes<VW>::load(table + m0 + gk * stride + row[gk]); };
-      V a0 = V{}, a1 = V{}, a2 = V{}, a3 = V{};  // one chain of nk additions: the bound
-      int gk = 0;
-      for (; gk + 4 <= nk; gk += 4) {
-        a0 += entry(gk);
-        a1 += entry(gk + 1);
-        a2 += entry(gk + 2);
-        a3 += entry(gk + 3);
-      }
-      for (; gk < nk; ++gk) a0 += entry(gk);
-      Lanes<VW>::store(lanes, ((a0 + a1) + (a2 + a3)) * sd[t]);
-      for (int m = 0; m < std::min(VW, M - m0); ++m) sc[(m0 + m) * TP + t] = lanes[m];
+  for (int t = 0; t < T; ++t) {
+    const int32_t* row = rows + t * nk;
+    auto entry = [&](int gk) { return Lanes<VW>::load(table + gk * stride + row[gk]); };
+    V a0 = V{}, a1 = V{}, a2 = V{}, a3 = V{};  // one chain of nk additions: the bound
+    int gk = 0;
+    for (; gk + 4 <= nk; gk += 4) {
+      a0 += entry(gk);
+      a1 += entry(gk + 1);
+      a2 += entry(gk + 2);
+      a3 += entry(gk + 3);
     }
+    for (; gk < nk; ++gk) a0 += entry(gk);
+    Lanes<VW>::store(lanes, ((a0 + a1) + (a2 + a3)) * sd[t]);
+    for (int m = 0; m < M; ++m) sc[m * TP + t] = lanes[m];
   }
 }
 
-// values[((g K + k) C + j) W + m] += sum of p[m * TP + t] s_t over the tokens t with index j
-// at (g, k), VW lanes of a row at a time
+// values[((g K + k) C + j) VW + m] += sum of p[m * TP + t] s_t over the tokens t with
+// index j at (g, k)
 template <int VW>
 void table_weights(const int32_t* rows, const float* sd, const RvqShape& r, const float* p,
                    int T, int M, int TP, RvqTables& tab) {
-  const int nk = r.n * r.K, W = tab.W;
-  const int64_t stride = int64_t(r.C) * W;  // floats per table (g, k)
-  tab.pt.assign(size_t(T) * W, 0.f);  // p_t s_t token-major: a token's weights are one load
+  const int nk = r.n * r.K;
+  const int64_t stride = int64_t(r.C) * VW;  // floats per table (g, k)
+  tab.pt.assign(size_t(T) * VW, 0.f);  // p_t s_t token-major: a token's weights are one load
   for (int m = 0; m < M; ++m)
-    for (int t = 0; t < T; ++t) tab.pt[size_t(t) * W + m] = p[m * TP + t] * sd[t];
-  float* table = tab.values.data();
-  for (int m0 = 0; m0 < M; m0 += VW)
-    for (int t = 0; t < T; ++t) {
-      const auto w = Lanes<VW>::load(tab.pt.data() + size_t(t) * W + m0);
-      const int32_t* row = rows + t * nk;
-      float* base = table + m0;  // table (g, k)
-      for (int gk = 0; gk < nk; ++gk, base += stride) {
-        float* e = base + row[gk];
-        Lanes<VW>::store(e, Lanes<VW>::load(e) + w);
-      }
+    for (int t = 0; t < T; ++t) tab.pt[size_t(t) * VW + m] = p[m * TP + t] * sd[t];
+  for (int t = 0; t < T; ++t) {
+    const auto w = Lanes<VW>::load(tab.pt.data() + size_t(t) * VW);
+    const int32_t* row = rows + t * nk;
+    float* base = tab.values.data();  // table (g, k)
+    for (int gk = 0; gk < nk; ++gk, base += stride) {
+      float* e = base + row[gk];
+      Lanes<VW>::store(e, Lanes<VW>::load(e) + w);
     }
+  }
 }
 
 void rvq_table_scores(const uint8_t* st, const RvqShape& r, const RvqTables& tab, int T, int M,
                       int TP, float* sc, Scratch& s) {
   rvq_rows(st, r, T, tab.W, s.rvq_rows.data(), s.rvq_sd.data());
   (tab.W == 4 ? table_scores<4> : table_scores<L>)(s.rvq_rows.data(), s.rvq_sd.data(), r,
-                                                   tab.keys.data(), T, M, tab.W, TP, sc);
+                                                   tab.keys.data(), T, M, TP, sc);
 }
 
 void rvq_table_weights(const uint8_t* sv, const RvqShape& r, const float* p, int T, int M,
@@ -1382,24 +1377,17 @@ void rvq_table_weights(const uint8_t* sv, const RvqShape& r, const float* p, int
                                                      T, M, TP, tab);
 }
 
-// the value table times this group's softmax corrections (as acc), where one is not 1
+// the value table times this group's softmax corrections (as acc), where one is not 1: L
+// floats at a time, the W (4 or L) corrections repeated across the vector
 void rvq_rescale(RvqTables& tab) {
   if (std::all_of(tab.corr.begin(), tab.corr.end(), [](float c) { return c == 1.f; })) return;
-  const int W = tab.W;
+  vf c;
+  for (int l = 0; l < L; ++l) c[l] = tab.corr[l % tab.W];
   float* v = tab.values.data();
-  const size_t rows = tab.values.size() / W;
-  if (W == 4) {  // rows of 4 lanes: whole vectors of L / 4 rows, the corrections repeated
-    vf c;
-    for (int l = 0; l < L; ++l) c[l] = tab.corr[l % 4];
-    size_t i = 0;
-    for (; i + L <= 4 * rows; i += L) storef(v + i, loadf(v + i) * c);
-    for (; i < 4 * rows; i += 4)
-      Lanes<4>::store(v + i, Lanes<4>::load(v + i) * Lanes<4>::load(tab.corr.data()));
-  } else {
-    for (size_t i = 0; i < rows; ++i)
-      for (int m0 = 0; m0 < W; m0 += L)
-        storef(v + i * W + m0, loadf(v + i * W + m0) * loadf(tab.corr.data() + m0));
-  }
+  const size_t n = tab.values.size();
+  size_t i = 0;
+  for (; i + L <= n; i += L) storef(v + i, loadf(v + i) * c);
+  for (; i < n; ++i) v[i] *= tab.corr[i % tab.W];
 }
 
 // n <= L floats at p as a vector (L loaded where there are; zeros past n otherwise, so
