@@ -200,6 +200,11 @@ def test_rotation_reads_q_m_and_returns_o_m_transposed(formats, scheme, dtype):
                 torch.testing.assert_close(out, want_out, atol=5e-5, rtol=1e-4)
                 torch.testing.assert_close(lse, plain_lse, atol=5e-5, rtol=0)
                 assert not out[int(rest[0][1]):int(rest[0][2])].any()  # request 1: no groups
+                # the kernel takes M with Mᵀ made once per tensor: M changed in place is read
+                m.copy_(m.flip(0))
+                want_out = packed_attention_reference(query, *rest, rotation=m)[0]
+                out, _ = IMPLEMENTATIONS["cpp"].attention(query, *rest, rotation=m)
+                torch.testing.assert_close(out, want_out, atol=5e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))

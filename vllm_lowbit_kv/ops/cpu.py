@@ -287,13 +287,27 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
         query, as_long(q_start), fmt.flat_pages(pages), as_long(group_table),
         as_long(num_groups), as_long(skip_tokens), float(scale),
         desc.geometry, desc.key, desc.value, desc.fft_map, desc.codebooks, desc.key_columns,
-        _NO_ROTATION if rotation is None else _float32_contiguous(rotation), out, lse)
+        _NO_ROTATION if rotation is None else _rotation_pair(rotation), out, lse)
     return out, lse
 
 
-def _float32_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when it already is (a decode step's rotation: no copy, no dispatch)."""
-    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+#: id(M) -> (M, M's version, [M, Mᵀ]): a layer's M is the same tensor at every step
+_rotation_pairs: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+
+def _rotation_pair(rotation: torch.Tensor) -> torch.Tensor:
+    """``[M, Mᵀ]`` float32 contiguous [2, D, D], the kernel's form of the rotation (the
+    query times M, the output times Mᵀ, each a product with contiguous columns), made
+    once per rotation tensor and reused while the tensor is unchanged."""
+    hit = _rotation_pairs.get(id(rotation))
+    if hit is not None and hit[0] is rotation and hit[1] == rotation._version:
+        return hit[2]
+    if len(_rotation_pairs) >= 1024:  # one per layer in serving; tests make many
+        _rotation_pairs.clear()
+    m = rotation.detach().float()
+    pair = torch.stack((m, m.T)).contiguous()
+    _rotation_pairs[id(rotation)] = (rotation, rotation._version, pair)
+    return pair
 
 
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,

@@ -45,8 +45,8 @@
 //
 // A rotating layout's pages hold K M and V M (an orthonormal M, rotation.py): the kernel
 // multiplies each query vector by M as it loads it and each output row by M^T as it
-// writes it, so a rotation costs two small matrix-vector products per row, not a pass of
-// its own.
+// writes it (both passed in, so that both products read contiguous columns), so a
+// rotation costs two small matrix-vector products per row, not a pass of its own.
 //
 // Vectors are GCC/Clang vector extensions of the build's register width (vectors.h: 16
 // floats with AVX-512, 8 with AVX2).
@@ -751,26 +751,51 @@ void row_sums(const X& x, const int* pos, int rows, int D, const float* p, int T
     }                                                                        \
   }
 
-// u[m * n + j] = sum_c at[c * n + j] x[m * n + c] (at = A transposed) for MB vectors from m0
+// mat_vec's columns [j0, j0 + J L) (the last vector may be partial) for MB vectors from m0
+template <int MB, int J>
+void mat_vec_columns(const float* at, int n, const float* x, float* u, int m0, int j0) {
+  const int last = std::min(L, n - j0 - (J - 1) * L);  // lanes of the last vector
+  vf acc[MB][J] = {};
+  for (int c = 0; c < n; ++c) {
+    const float* row = at + size_t(c) * n + j0;
+    vf col[J];
+#pragma GCC unroll 4
+    for (int j = 0; j + 1 < J; ++j) col[j] = loadf(row + j * L);
+    col[J - 1] = last == L ? loadf(row + (J - 1) * L) : loadf_first(row + (J - 1) * L, last);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const float xm = x[(m0 + m) * n + c];
+#pragma GCC unroll 4
+      for (int j = 0; j < J; ++j) acc[m][j] += col[j] * xm;
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) {
+    float* dst = u + (m0 + m) * n + j0;
+#pragma GCC unroll 4
+    for (int j = 0; j + 1 < J; ++j) storef(dst + j * L, acc[m][j]);
+    if (last == L)
+      storef(dst + (J - 1) * L, acc[m][J - 1]);
+    else
+      storef_first(dst + (J - 1) * L, acc[m][J - 1], last);
+  }
+}
+
+// u[m * n + j] = sum_c at[c * n + j] x[m * n + c] (at = A transposed) for MB vectors from m0;
+// up to 4 column vectors per pass, so that the independent sums (MB per vector) hide the
+// multiply-add latency
 template <int MB>
 void mat_vec(const float* at, int n, const float* x, float* u, int m0) {
-  for (int j0 = 0; j0 < n; j0 += L) {
-    vf acc[MB] = {};
-    const int lanes = std::min(L, n - j0);
-    for (int c = 0; c < n; ++c) {
-      vf col = vf{};
-      if (lanes == L)
-        col = loadf(at + size_t(c) * n + j0);
-      else
-        std::memcpy(&col, at + size_t(c) * n + j0, sizeof(float) * lanes);
-      for (int m = 0; m < MB; ++m) acc[m] += col * x[(m0 + m) * n + c];
+  constexpr int kMaxJ = MB >= 8 ? 1 : MB >= 4 ? 2 : 4;
+  for (int j0 = 0; j0 < n;) {
+    const int vectors = std::min(kMaxJ, (n - j0 + L - 1) / L);
+    switch (vectors) {
+      case 4: mat_vec_columns<MB, (kMaxJ >= 4 ? 4 : 1)>(at, n, x, u, m0, j0); break;
+      case 3: mat_vec_columns<MB, (kMaxJ >= 3 ? 3 : 1)>(at, n, x, u, m0, j0); break;
+      case 2: mat_vec_columns<MB, (kMaxJ >= 2 ? 2 : 1)>(at, n, x, u, m0, j0); break;
+      default: mat_vec_columns<MB, 1>(at, n, x, u, m0, j0); break;
     }
-    for (int m = 0; m < MB; ++m) {
-      if (lanes == L)
-        storef(u + (m0 + m) * n + j0, acc[m]);
-      else
-        std::memcpy(u + (m0 + m) * n + j0, &acc[m], sizeof(float) * lanes);
-    }
+    j0 += vectors * L;
   }
 }
 
@@ -1458,9 +1483,10 @@ struct Run {
   int64_t q_row_stride, q_head_stride;
   int64_t Hq, G;
   float scale;
-  // the layout's rotation (pages hold K M and V M): M [D][D] row-major, or nullptr; the
-  // query is read as q M, the output written as o M^T
+  // the layout's rotation (pages hold K M and V M): M and M^T [D][D] row-major, or
+  // nullptr; the query is read as q M, the output written as o M^T
   const float* rot;
+  const float* rot_t;
 };
 
 // dst[0, D) = the query vector of (row, head) times scale, as float32
@@ -1642,18 +1668,20 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
 void write_rows(const Run& run, int64_t r, int64_t h, const float* acc, const float* mrun,
                 const float* lsum, float* out, float* lse, int D) {
   const int64_t q0 = run.q_start[r], rows = run.q_start[r + 1] - q0;
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t g = 0; g < run.G; ++g) {
-      const int64_t m = i * run.G + g, head = h * run.G + g;
-      float* o = out + ((q0 + i) * run.Hq + head) * D;
+  const int G = int(run.G);
+  for (int64_t i = 0; i < rows; ++i) {
+    float* o = out + ((q0 + i) * run.Hq + h * G) * D;  // the row's G heads, back to back
+    if (run.rot)  // acc M^T, scaled below
+      LOWBIT_FOR_BLOCKS(G, mat_vec, run.rot_t, D, acc + i * G * D, o)
+    for (int g = 0; g < G; ++g) {
+      const int64_t m = i * G + g;
       const bool any = lsum[m] > 0.f;
       const float inv = any ? 1.f / lsum[m] : 0.f;
-      if (run.rot)  // (o M^T)[c] = M's row c . o, o = acc / lsum
-        for (int c = 0; c < D; ++c) o[c] = dot(run.rot + size_t(c) * D, acc + m * D, D) * inv;
-      else
-        for (int c = 0; c < D; ++c) o[c] = acc[m * D + c] * inv;
-      lse[(q0 + i) * run.Hq + head] = any ? mrun[m] + std::log(lsum[m]) : kNegInf;
+      const float* src = run.rot ? o + g * D : acc + m * D;
+      for (int c = 0; c < D; ++c) o[g * D + c] = src[c] * inv;
+      lse[(q0 + i) * run.Hq + h * G + g] = any ? mrun[m] + std::log(lsum[m]) : kNegInf;
     }
+  }
 }
 
 constexpr int64_t kMinGroupsPerSplit = 4;
@@ -1739,9 +1767,10 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
                 "fft_map: float32 contiguous [n1, n1] (A transposed)");
     f.fft_map_t = fft_map.data_ptr<float>();
   }
-  TORCH_CHECK(rotation.numel() == 0 || (rotation.scalar_type() == at::kFloat &&
-                                         rotation.is_contiguous() && rotation.numel() == D * D),
-              "rotation: float32 contiguous [head_dim, head_dim], or empty");
+  TORCH_CHECK(rotation.numel() == 0 ||
+                  (rotation.scalar_type() == at::kFloat && rotation.is_contiguous() &&
+                   rotation.numel() == 2 * D * D),
+              "rotation: float32 contiguous [2, head_dim, head_dim] (M and M^T), or empty");
   const int64_t* qs = q_start.data_ptr<int64_t>();
   const int64_t* ng = num_groups.data_ptr<int64_t>();
   const int64_t* sk = skip_tokens.data_ptr<int64_t>();
@@ -1815,10 +1844,10 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
     p_l.resize(size_t(partials) * max_m);
   }
 
+  const float* rot = rotation.numel() ? rotation.data_ptr<float>() : nullptr;
   Run run{&f, pages.data_ptr<uint8_t>(), pages.stride(0), pages.stride(1), qs, table,
           group_table.stride(0), sk, query.scalar_type(), query.data_ptr(), query.stride(0),
-          query.stride(1), Hq, G, float(scale),
-          rotation.numel() ? rotation.data_ptr<float>() : nullptr};
+          query.stride(1), Hq, G, float(scale), rot, rot ? rot + D * D : nullptr};
 
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
     Work wk(f, int(max_m), int64_t(max_m >= kTileMinVectors));

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -33,6 +33,28 @@ inline vu loadu(const uint32_t* p) { vu v; std::memcpy(&v, p, sizeof v); return 
 inline vf splat(float x) { return __builtin_shuffle(vf{x}, vi{}); }
 inline vi iota() { vi v; for (int l = 0; l < L; ++l) v[l] = l; return v; }
 inline int round_up(int x) { return (x + L - 1) / L * L; }
+// the first `lanes` (<= L) floats, the rest 0, and their store: masked moves, so that a
+// caller's vectors stay in registers (a memcpy through a vector's address spills them)
+inline vf loadf_first(const float* p, int lanes) {
+#if defined(__AVX512F__)
+  return vf(_mm512_maskz_loadu_ps(__mmask16((1u << lanes) - 1), p));
+#elif defined(__AVX2__)
+  return vf(_mm256_maskload_ps(p, __m256i(iota() < lanes)));
+#else
+  vf v = vf{};
+  std::memcpy(&v, p, sizeof(float) * lanes);
+  return v;
+#endif
+}
+inline void storef_first(float* p, vf v, int lanes) {
+#if defined(__AVX512F__)
+  _mm512_mask_storeu_ps(p, __mmask16((1u << lanes) - 1), __m512(v));
+#elif defined(__AVX2__)
+  _mm256_maskstore_ps(p, __m256i(iota() < lanes), __m256(v));
+#else
+  std::memcpy(p, &v, sizeof(float) * lanes);
+#endif
+}
 
 // horizontal max / sum by halving (log2(L) shuffles instead of a chain of L - 1 ops)
 inline vf swap_halves(vf v, int half) {
