@@ -35,8 +35,9 @@ when measured) in the same run. A scheme given as ``SCHEME@hadamard`` is its rot
 variant (:mod:`vllm_lowbit_kv.rotation`): its time is the step as the backend runs it,
 query rotated and output un-rotated (by the kernel, or around it), and its rows add the
 same pages read without the rotation (``unrotated_ms``), the difference
-(``rotation_ms``: it may come out below 0 within the timing's spread) and its share of
-the unrotated time (``rotation_frac_of_kernel``). On a GPU, times are CUDA-event medians of single
+(``rotation_ms``: the median over ``ROTATION_ROUNDS`` rounds of the two timed in turn, as
+a difference of two timings is only as steady as they are; it may come out below 0
+within their spread) and its share of the unrotated time (``rotation_frac_of_kernel``). On a GPU, times are CUDA-event medians of single
 calls, each after 1 GiB zeroed (the L2 cache flushed; the host's launch overhead
 hidden, as CUDA graphs hide it in vLLM's decode; ``wall_ms`` has it); first,
 every implementation and baseline is checked on one small shape (largest
@@ -197,6 +198,23 @@ def measure_time(fn, device: torch.device, args, wall: dict | None = None) -> fl
     if device.type == "cuda":
         return cuda_time(fn, device, args.reps, wall)
     return timeit(fn, device, args.min_time)
+
+
+#: rounds of a rotating variant timed with and without its rotation in turn
+ROTATION_ROUNDS = 3
+
+
+def rotation_rounds(case, fn, rotated: float, device: torch.device, args
+                    ) -> tuple[float, float]:
+    """(the unrotated time, the rotation's cost): the same pages read with and without the
+    rotation in turn for ``ROTATION_ROUNDS`` rounds (the first rotated time is
+    ``rotated``, already measured); the cost is the median of the rounds' differences."""
+    plain, costs = [], []
+    for i in range(ROTATION_ROUNDS):
+        t_rot = rotated if i == 0 else measure_time(lambda: case.run(fn), device, args)
+        plain.append(measure_time(lambda: case.run(fn, rotate=False), device, args))
+        costs.append(t_rot - plain[-1])
+    return min(plain), statistics.median(costs)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, args=None) -> float:
@@ -498,13 +516,16 @@ def measure_cell(context: int, batch: int, args, device: torch.device, bandwidth
                 if t is not None:
                     times[impl] = t
                 if t is not None and case.layout.rotation is not None:
-                    t = _guard(device, impl, lambda: measure_time(
-                        lambda: case.run(fn, rotate=False), device, args),
-                        errors, scheme=scheme, context=context, batch=batch, rotate=False)
-                    if t is not None:
-                        unrotated[impl] = t
+                    pairs = _guard(device, impl, lambda: rotation_rounds(case, fn, t, device, args),
+                                   errors, scheme=scheme, context=context, batch=batch,
+                                   rotate=False)
+                    if pairs is not None:
+                        unrotated[impl] = pairs
         for impl, t in times.items():
-            rotation = t - unrotated[impl] if impl in unrotated else None
+            rotation = None
+            if impl in unrotated:
+                t_plain, rotation = unrotated[impl]
+                unrotated[impl] = t_plain
             row = dict(scheme=scheme, impl=impl, context=context, batch=batch,
                        time_ms=t * 1e3, bytes=case.bytes, GBps=case.bytes / t / 1e9,
                        floor_ms=case.bytes / bandwidth * 1e3,

@@ -142,3 +142,25 @@ def test_int4_decoder_called_directly_matches_dequantized_attention(groups, monk
         raise
     assert run.info["call"] == xfd.DIRECT_CALL
     assert err < 4e-3, err
+
+
+def test_rotation_rounds_time_both_reads_of_the_same_pages():
+    """A rotating variant's cost: the same pages read with and without the rotation in turn,
+    ROTATION_ROUNDS times, through the C++ kernel."""
+    from vllm_lowbit_kv.ops import IMPLEMENTATIONS
+
+    args = kernels.parse_args(["--device", "cpu", "--no-vllm", "--min-time", "0.01"])
+    for name, value in dict(q_heads=9, kv_heads=3, head_dim=64, block_size=128).items():
+        assert getattr(args, name) == value
+    case = kernels.Case("kivi2@hadamard", 256, 2, args, torch.device("cpu"))
+    assert case.layout.rotation is not None
+    calls = []
+
+    def attention(*a, **kw):
+        calls.append(kw.get("rotation") is not None)
+        return IMPLEMENTATIONS["cpp"].attention(*a, **kw)
+    plain, cost = kernels.rotation_rounds(case, attention, 1.0, torch.device("cpu"), args)
+    # the first rotated time is given as 1 s: the median leaves that round out
+    assert 0 < plain < 0.1 and abs(cost) < 0.1
+    assert True in calls and False in calls
+    assert calls.count(False) >= kernels.ROTATION_ROUNDS
