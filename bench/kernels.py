@@ -37,9 +37,16 @@ query rotated and output un-rotated (by the kernel, or around it), and its rows 
 same pages read without the rotation (``unrotated_ms``), the difference
 (``rotation_ms``: the median over ``ROTATION_ROUNDS`` rounds of the two timed in turn, as
 a difference of two timings is only as steady as they are; it may come out below 0
-within their spread) and its share of the unrotated time (``rotation_frac_of_kernel``). On a GPU, times are CUDA-event medians of single
-calls, each after 1 GiB zeroed (the L2 cache flushed; the host's launch overhead
-hidden, as CUDA graphs hide it in vLLM's decode; ``wall_ms`` has it); first,
+within their spread) and its share of the unrotated time (``rotation_frac_of_kernel``).
+
+On a GPU, times are CUDA-event medians of single calls, each after 1 GiB zeroed (the
+L2 cache flushed; the host's launch overhead hidden, as CUDA graphs hide it in vLLM's
+decode; ``wall_ms`` has it). On the CPU, the best of 5 batches of calls back to back
+that take identical copies of their operands in turn, the copies adding up to 4x the
+last-level cache (:func:`operand_copies`): a layer's decode step finds its KV out of the
+cache (the other layers' KV and weights are read in between) and its code warm; one
+layer's 6-25 MB of bf16 K/V called again and again would stay in a 32 MB L3 and read
+faster than memory. ``--warm-cache`` keeps one copy (operands cache-resident). First,
 every implementation and baseline is checked on one small shape (largest
 absolute error against the PyTorch reference, or float32 attention over the
 same K/V), and the cell of the GPU target (32K context, batch 32) is measured
@@ -63,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -194,6 +202,29 @@ def cuda_time(fn, device: torch.device, reps: int, wall: dict | None = None) -> 
     return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of cpu0 (Linux sysfs), or 0 when unknown."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=0)
+
+
+def operand_copies(nbytes: int, args, device: torch.device) -> int:
+    """Identical copies of a call's operands for the calls to take in turn on the CPU: enough
+    that the copies add up to 4x the last-level cache (64 MiB at least), so that each call
+    finds its operands out of the cache while the code path stays warm, as a layer's decode
+    step does (every layer runs the same code; its KV was last read a step ago, the other
+    layers' KV and weights in between). One with ``--warm-cache`` and on a GPU (flushed)."""
+    if device.type != "cpu" or args.warm_cache:
+        return 1
+    return max(1, -(-max(64 << 20, 4 * last_level_cache_bytes()) // max(nbytes, 1)))
+
+
 def measure_time(fn, device: torch.device, args, wall: dict | None = None) -> float:
     if device.type == "cuda":
         return cuda_time(fn, device, args.reps, wall)
@@ -269,15 +300,20 @@ class Case:
         self.q_start = torch.arange(batch + 1, device=device)
         self.query = torch.randn(batch, args.q_heads, L.D, generator=g).to(device, torch.bfloat16)
         self.bytes = total * L.H * L.state_bytes  # every group's K and V states
+        copies = operand_copies(self.bytes, args, device)
+        self._pages = itertools.cycle([self.pages] + [self.pages.clone()
+                                                      for _ in range(copies - 1)])
 
     def run(self, fn, rotate: bool = True):
         """One decode step's packed part through ``fn``, as the backend calls it
         (:func:`~vllm_lowbit_kv.paged.forward.packed_part`: the layout's rotation
-        included); ``rotate=False``: the same pages read without it (what it costs)."""
+        included), over the next copy of the pages; ``rotate=False``: the same pages read
+        without it (what it costs)."""
+        pages = next(self._pages)
         if rotate:
-            return packed_part(fn, self.layout, self.query, self.q_start, self.pages,
+            return packed_part(fn, self.layout, self.query, self.q_start, pages,
                                self.table, self.num_groups, self.skip, self.layout.D ** -0.5)
-        return fn(self.query, self.q_start, self.pages, self.layout, self.table,
+        return fn(self.query, self.q_start, pages, self.layout, self.table,
                   self.num_groups, self.skip, self.layout.D ** -0.5)
 
 
@@ -311,9 +347,11 @@ def bf16_sdpa(context: int, batch: int, args, device: torch.device, info: dict |
         kf, vf = k, v
     else:
         q = torch.randn(batch, args.q_heads, 1, D, device=device, dtype=torch.bfloat16)
+        turns = itertools.cycle([(k, v)] + [(k.clone(), v.clone()) for _ in range(
+            operand_copies(2 * k.numel() * 2, args, device) - 1)])
 
         def run():
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, *next(turns), enable_gqa=True)
         kf, vf = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     pinned = _sdpa_backend(device)
     fn, backend = run, "default"
@@ -335,9 +373,12 @@ def bf16_sdpa(context: int, batch: int, args, device: torch.device, info: dict |
 
 
 def vllm_cpu_attention(context: int, batch: int, args):
-    """(callable, bytes) of vLLM's own paged CPU attention over bf16 pages, or None."""
+    """(callable, bytes) of vLLM's own paged CPU attention over bf16 pages, or None; its
+    scheduler metadata as vLLM's CPU backend builds it (the context split between threads
+    unless ``VLLM_CPU_ATTN_SPLIT_KV=0``)."""
     try:
         from vllm import _custom_ops as ops
+        from vllm import envs
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     except Exception:  # vLLM (CPU build) absent
         return None
@@ -345,7 +386,9 @@ def vllm_cpu_attention(context: int, batch: int, args):
     isa = _get_attn_isa(torch.bfloat16, bs, D, "auto")
     blocks = batch * -(-context // bs)
     kv = torch.randn(blocks, H, 2 * bs, D, dtype=torch.bfloat16)
-    key_cache, value_cache = kv.chunk(2, dim=2)
+    copies = operand_copies(kv.numel() * 2, args, torch.device("cpu"))
+    turns = itertools.cycle([t.chunk(2, dim=2) for t in [kv] + [kv.clone()
+                                                                for _ in range(copies - 1)]])
     q = torch.randn(batch, Hq, D, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
@@ -354,9 +397,10 @@ def vllm_cpu_attention(context: int, batch: int, args):
     meta = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=batch, num_heads=Hq, num_kv_heads=H, head_dim=D, seq_lens=seq,
         dtype=torch.bfloat16, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
-        enable_kv_split=False)
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)  # as vLLM's backend calls it
 
     def run():
+        key_cache, value_cache = next(turns)
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=key_cache, value_cache=value_cache, output=out,
             query_start_loc=qsl, seq_lens=seq, scale=D ** -0.5, causal=True, alibi_slopes=None,
@@ -592,7 +636,12 @@ def new_result(args, device: torch.device, argv: list[str]) -> dict:
         timing=("time_ms: CUDA events, median of single calls, each after 1 GiB zeroed (L2 "
                 "flushed, host launch overhead hidden as under CUDA graphs); wall_ms: host "
                 "wall-clock per call back to back (launch overhead included, L2 warm)"
-                if device.type == "cuda" else "perf_counter, best of 5 batches of calls"),
+                if device.type == "cuda" else
+                "perf_counter, best of 5 batches of calls back to back (operands "
+                "cache-resident, --warm-cache)" if args.warm_cache else
+                "perf_counter, best of 5 batches of calls back to back, taking copies of "
+                "their operands in turn that add up to 4x the last-level cache (operands "
+                "read from memory, code warm, as in a decode step of one layer among many)"),
         shape=dict(q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                    block_size=args.block_size, query_rows_per_request=1,
                    note="SmolLM2-135M's attention (9 query heads, 3 KV heads, head_dim 64)"
@@ -740,8 +789,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"{DEFAULTS['cpu']['baselines']}; cuda {DEFAULTS['cuda']['baselines']}; "
                    "xformers_int4_g<N>, N in 1, 2, 4, 8: scale groups per row)")
     p.add_argument("--quick", action="store_true", help="a small grid")
-    p.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement (CPU)")
-    p.add_argument("--reps", type=int, default=25, help="timed calls per measurement (GPU)")
+    p.add_argument("--min-time", type=float, default=1.0,
+                   help="seconds of calls per measurement (CPU; the flushes not counted)")
+    p.add_argument("--reps", type=int, default=25, help="timed calls per measurement at most")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="CPU: time calls back to back, operands cache-resident (the figures "
+                        "before the cold-cache timing)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds of measuring after which the remaining cells are skipped "
                         "(recorded; default: 150 on cuda, none on cpu)")

@@ -164,3 +164,29 @@ def test_rotation_rounds_time_both_reads_of_the_same_pages():
     assert 0 < plain < 0.1 and abs(cost) < 0.1
     assert True in calls and False in calls
     assert calls.count(False) >= kernels.ROTATION_ROUNDS
+
+
+def test_cold_cpu_calls_take_copies_of_their_operands_in_turn():
+    """On the CPU each timed call reads the next of identical copies of its pages, copies
+    adding up to at least 64 MiB (4x the last-level cache), so that no call finds its
+    operands in the cache; --warm-cache and the GPU (flushed instead) keep one."""
+    cold = kernels.parse_args(["--device", "cpu", "--no-vllm"])
+    warm = kernels.parse_args(["--device", "cpu", "--no-vllm", "--warm-cache"])
+    cpu = torch.device("cpu")
+    assert kernels.operand_copies(1 << 20, warm, cpu) == 1
+    assert kernels.operand_copies(1 << 20, cold, torch.device("cuda")) == 1
+    assert kernels.operand_copies(1 << 30, cold, cpu) == 1
+    n = kernels.operand_copies(1 << 20, cold, cpu)
+    assert n * (1 << 20) >= max(64 << 20, 4 * kernels.last_level_cache_bytes())
+    case = kernels.Case("vidkv", 1024, 2, cold, cpu)
+    seen = []
+
+    def attention(query, q_start, pages, *rest, **kw):
+        seen.append(pages)
+        return None
+    for _ in range(kernels.operand_copies(case.bytes, cold, cpu) + 1):
+        case.run(attention, rotate=False)
+    ptrs = [p.data_ptr() for p in seen]
+    assert len(set(ptrs)) == len(ptrs) - 1 and ptrs[-1] == ptrs[0]  # all taken, then again
+    assert all(torch.equal(p, seen[0]) for p in seen)
+    assert len(seen) * case.bytes > 64 << 20
