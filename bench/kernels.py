@@ -310,11 +310,10 @@ class Case:
         included), over the next copy of the pages; ``rotate=False``: the same pages read
         without it (what it costs)."""
         pages = next(self._pages)
+        rest = (self.table, self.num_groups, self.skip, self.layout.D ** -0.5)
         if rotate:
-            return packed_part(fn, self.layout, self.query, self.q_start, pages,
-                               self.table, self.num_groups, self.skip, self.layout.D ** -0.5)
-        return fn(self.query, self.q_start, pages, self.layout, self.table,
-                  self.num_groups, self.skip, self.layout.D ** -0.5)
+            return packed_part(fn, self.layout, self.query, self.q_start, pages, *rest)
+        return fn(self.query, self.q_start, pages, self.layout, *rest)
 
 
 def _sdpa_backend(device: torch.device):

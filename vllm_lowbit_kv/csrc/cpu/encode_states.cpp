@@ -307,7 +307,8 @@ void ternary_value(const float* x, int T, int D, const int64_t* d, float gamma, 
   for (int c = 0; c < D; ++c) threshold[c] = gamma * (threshold[c] / static_cast<float>(T));
   const int n = T * D;
   s.trits.resize(static_cast<size_t>(n) + 5);
-  for (int t = 0; t < T; ++t) trit_row(x + t * D, D, threshold, kept, count, s.trits.data() + t * D);
+  for (int t = 0; t < T; ++t)
+    trit_row(x + t * D, D, threshold, kept, count, s.trits.data() + t * D);
   for (int c = 0; c < D; ++c) kept[c] /= std::max(count[c], 1.f);
   put_halves(out + d[TV_ALPHA], kept, D);
   std::fill(s.trits.begin() + n, s.trits.end(), 0);  // padding: the zero trit

@@ -404,7 +404,8 @@ int repack_rows(const uint8_t* src, int n, int J, int bits, uint32_t* words, int
   const int W = int((row_bits + 31) / 32);
   if (row_bits % 32 == 0) {  // rows are whole words: a transpose
     for (int i = 0; i < n; ++i)
-      for (int w = 0; w < W; ++w) std::memcpy(&words[w * TP + i], src + 4 * (int64_t(i) * W + w), 4);
+      for (int w = 0; w < W; ++w)
+        std::memcpy(&words[w * TP + i], src + 4 * (int64_t(i) * W + w), 4);
   } else {
     for (int i = 0; i < n; ++i)
       for (int w = 0; w < W; ++w) {
@@ -1178,7 +1179,8 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
     halves_to_float(sv + d[KT_ZERO], T * ng, sz.data() + T * ng);
     stp_positions(nullptr, T, 0, pos);
     std::fill(scale, scale + D, 1.f);
-    if (ng == 1) {  // one group per token: sum_t p_t (s_t x_t + z_t) = sum_t (p_t s_t) x_t + sum_t p_t z_t
+    // one group per token: sum_t p_t (s_t x_t + z_t) = sum_t (p_t s_t) x_t + sum_t p_t z_t
+    if (ng == 1) {
       const float* st = sz.data();
       const float* zt = sz.data() + T;
       for (int m = 0; m < M; ++m) {
@@ -1649,7 +1651,8 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
 #if defined(__AVX512BF16__)
     if (pairs) {
       for (int m = 0; m < M; ++m)
-        bf16_row(sc + int64_t(m) * TP, TP, reinterpret_cast<uint16_t*>(wk.pb + int64_t(m) * TP / 2));
+        bf16_row(sc + int64_t(m) * TP, TP,
+                 reinterpret_cast<uint16_t*>(wk.pb + int64_t(m) * TP / 2));
       tile_values<Bf16PairTiles>(wk.pb, TP / 2, M, wk.vp, D, T, acc);
     } else
 #endif
@@ -1750,7 +1753,8 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
   TORCH_CHECK(pages.size(2) == f.sink_bytes + f.N * f.state_bytes, "pages: ",
               f.sink_bytes + f.N * f.state_bytes, " bytes per head expected");
   for (const at::Tensor* t : {&q_start, &group_table, &num_groups, &skip_tokens})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors: int64 contiguous");
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "index tensors: int64 contiguous");
   const int64_t R = q_start.numel() - 1;
   TORCH_CHECK(R >= 0 && num_groups.numel() == R && skip_tokens.numel() == R &&
                   group_table.dim() == 2 && group_table.size(0) == R,
