@@ -205,6 +205,10 @@ def test_rotation_reads_q_m_and_returns_o_m_transposed(formats, scheme, dtype):
                 want_out = packed_attention_reference(query, *rest, rotation=m)[0]
                 out, _ = IMPLEMENTATIONS["cpp"].attention(query, *rest, rotation=m)
                 torch.testing.assert_close(out, want_out, atol=5e-5, rtol=1e-4)
+                with torch.inference_mode():  # as vLLM runs it: M without a version counter
+                    m_inf = m.clone()
+                    out, _ = IMPLEMENTATIONS["cpp"].attention(query, *rest, rotation=m_inf)
+                torch.testing.assert_close(out, want_out, atol=5e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))

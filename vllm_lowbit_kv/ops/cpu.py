@@ -298,15 +298,19 @@ _rotation_pairs: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 def _rotation_pair(rotation: torch.Tensor) -> torch.Tensor:
     """``[M, Mᵀ]`` float32 contiguous [2, D, D], the kernel's form of the rotation (the
     query times M, the output times Mᵀ, each a product with contiguous columns), made
-    once per rotation tensor and reused while the tensor is unchanged."""
+    once per rotation tensor and reused while the tensor is unchanged: its version
+    counter says so, except for a tensor made under ``torch.inference_mode`` (vLLM's
+    forward), which has none and is taken as it was first seen (rotation.py builds a
+    layer's M once and never writes it again)."""
+    version = -1 if rotation.is_inference() else rotation._version
     hit = _rotation_pairs.get(id(rotation))
-    if hit is not None and hit[0] is rotation and hit[1] == rotation._version:
+    if hit is not None and hit[0] is rotation and hit[1] == version:
         return hit[2]
     if len(_rotation_pairs) >= 1024:  # one per layer in serving; tests make many
         _rotation_pairs.clear()
     m = rotation.detach().float()
     pair = torch.stack((m, m.T)).contiguous()
-    _rotation_pairs[id(rotation)] = (rotation, rotation._version, pair)
+    _rotation_pairs[id(rotation)] = (rotation, version, pair)
     return pair
 
 
