@@ -789,11 +789,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "xformers_int4_g<N>, N in 1, 2, 4, 8: scale groups per row)")
     p.add_argument("--quick", action="store_true", help="a small grid")
     p.add_argument("--min-time", type=float, default=1.0,
-                   help="seconds of calls per measurement (CPU; the flushes not counted)")
+                   help="seconds of calls per measurement (CPU)")
     p.add_argument("--reps", type=int, default=25, help="timed calls per measurement at most")
     p.add_argument("--warm-cache", action="store_true",
-                   help="CPU: time calls back to back, operands cache-resident (the figures "
-                        "before the cold-cache timing)")
+                   help="CPU: calls back to back over one copy of their operands, which "
+                        "then stay in the cache (this benchmark's timing before 62edec0)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds of measuring after which the remaining cells are skipped "
                         "(recorded; default: 150 on cuda, none on cpu)")
