@@ -225,6 +225,11 @@ def operand_copies(nbytes: int, args, device: torch.device) -> int:
     return max(1, -(-max(64 << 20, 4 * last_level_cache_bytes()) // max(nbytes, 1)))
 
 
+def in_turn(first, copies: int, clone=torch.clone):
+    """``first`` and ``copies - 1`` clones of it, taken in turn for ever."""
+    return itertools.cycle([first] + [clone(first) for _ in range(copies - 1)])
+
+
 def measure_time(fn, device: torch.device, args, wall: dict | None = None) -> float:
     if device.type == "cuda":
         return cuda_time(fn, device, args.reps, wall)
@@ -300,9 +305,7 @@ class Case:
         self.q_start = torch.arange(batch + 1, device=device)
         self.query = torch.randn(batch, args.q_heads, L.D, generator=g).to(device, torch.bfloat16)
         self.bytes = total * L.H * L.state_bytes  # every group's K and V states
-        copies = operand_copies(self.bytes, args, device)
-        self._pages = itertools.cycle([self.pages] + [self.pages.clone()
-                                                      for _ in range(copies - 1)])
+        self._pages = in_turn(self.pages, operand_copies(self.bytes, args, device))
 
     def run(self, fn, rotate: bool = True):
         """One decode step's packed part through ``fn``, as the backend calls it
@@ -346,8 +349,8 @@ def bf16_sdpa(context: int, batch: int, args, device: torch.device, info: dict |
         kf, vf = k, v
     else:
         q = torch.randn(batch, args.q_heads, 1, D, device=device, dtype=torch.bfloat16)
-        turns = itertools.cycle([(k, v)] + [(k.clone(), v.clone()) for _ in range(
-            operand_copies(2 * k.numel() * 2, args, device) - 1)])
+        turns = in_turn((k, v), operand_copies(2 * k.numel() * 2, args, device),
+                        lambda kv: tuple(t.clone() for t in kv))
 
         def run():
             return F.scaled_dot_product_attention(q, *next(turns), enable_gqa=True)
@@ -385,9 +388,9 @@ def vllm_cpu_attention(context: int, batch: int, args):
     isa = _get_attn_isa(torch.bfloat16, bs, D, "auto")
     blocks = batch * -(-context // bs)
     kv = torch.randn(blocks, H, 2 * bs, D, dtype=torch.bfloat16)
-    copies = operand_copies(kv.numel() * 2, args, torch.device("cpu"))
-    turns = itertools.cycle([t.chunk(2, dim=2) for t in [kv] + [kv.clone()
-                                                                for _ in range(copies - 1)]])
+    # (key, value) views of one tensor per copy, as vLLM's cache lays them out
+    turns = in_turn(kv.chunk(2, dim=2), operand_copies(kv.numel() * 2, args, torch.device("cpu")),
+                    lambda _: kv.clone().chunk(2, dim=2))
     q = torch.randn(batch, Hq, D, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
