@@ -121,21 +121,7 @@ inline float dot(const float* a, const float* b, int n) {
     s0 += loadf(a + i) * loadf(b + i);
     i += L;
   }
-  if (i < n) {
-#if defined(__AVX512F__)
-    const __mmask16 k = __mmask16((1u << (n - i)) - 1);
-    const __m512 x =
-        _mm512_mul_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i));
-    vf xv;
-    std::memcpy(&xv, &x, sizeof xv);
-    s1 += xv;
-#else
-    vf x = vf{}, y = vf{};
-    std::memcpy(&x, a + i, sizeof(float) * size_t(n - i));
-    std::memcpy(&y, b + i, sizeof(float) * size_t(n - i));
-    s1 += x * y;
-#endif
-  }
+  if (i < n) s1 += loadf_first(a + i, n - i) * loadf_first(b + i, n - i);
   return hsum(s0 + s1);
 }
 
