@@ -562,23 +562,21 @@ def measure_cell(context: int, batch: int, args, device: torch.device, bandwidth
                 if t is not None:
                     times[impl] = t
                 if t is not None and case.layout.rotation is not None:
-                    pairs = _guard(device, impl, lambda: rotation_rounds(case, fn, t, device, args),
-                                   errors, scheme=scheme, context=context, batch=batch,
-                                   rotate=False)
-                    if pairs is not None:
-                        unrotated[impl] = pairs
+                    rounds = _guard(device, impl,
+                                    lambda: rotation_rounds(case, fn, t, device, args),
+                                    errors, scheme=scheme, context=context, batch=batch,
+                                    rotate=False)
+                    if rounds is not None:
+                        unrotated[impl] = rounds
         for impl, t in times.items():
-            rotation = None
-            if impl in unrotated:
-                t_plain, rotation = unrotated[impl]
-                unrotated[impl] = t_plain
+            t_plain, rotation = unrotated.get(impl, (None, None))
             row = dict(scheme=scheme, impl=impl, context=context, batch=batch,
                        time_ms=t * 1e3, bytes=case.bytes, GBps=case.bytes / t / 1e9,
                        floor_ms=case.bytes / bandwidth * 1e3,
                        floor_frac=case.bytes / bandwidth / t)
             if rotation is not None:  # the bar: < 5% of the kernel
-                row.update(unrotated_ms=unrotated[impl] * 1e3, rotation_ms=rotation * 1e3,
-                           rotation_frac_of_kernel=rotation / unrotated[impl])
+                row.update(unrotated_ms=t_plain * 1e3, rotation_ms=rotation * 1e3,
+                           rotation_frac_of_kernel=rotation / t_plain)
             if walls[impl]:
                 row["wall_ms"] = walls[impl]["s"] * 1e3
             for kind, (tb, _) in base.items():
