@@ -228,6 +228,18 @@ def test_long_context_single_request_splits():
     check(layout, pages, table, ng, q_start, query, torch.tensor([0]))
 
 
+def test_decode_calls_in_turn_keep_their_scratch_apart():
+    """Decode calls keep each thread's scratch per page format between calls: calls that
+    alternate two formats of the same sizes (a layer's retrieval heads and the rest) and
+    grow and shrink their query vectors each match the reference."""
+    layouts = [layout_for("vidkv", {}, H=2, T=32, block_size=64),
+               layout_for("kivi2", {}, H=2, T=32, block_size=64)]
+    for i, q_rows in enumerate([[1, 1], [1, 1], [40, 30], [1, 2], [30, 40], [1, 1]]):
+        layout = layouts[i % 2]
+        pages, table, ng, q_start, query = random_case(layout, [3, 2], q_rows, Hq=6, seed=40 + i)
+        check(layout, pages, table, ng, q_start, query, torch.tensor([0, 0]))
+
+
 def test_rows_outside_requests_and_no_requests():
     layout = layout_for("kivi2", {}, H=2, T=16, block_size=32)
     pages, table, ng, _, query = random_case(layout, [3], [1], Hq=4, seed=6)

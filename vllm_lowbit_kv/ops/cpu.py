@@ -282,13 +282,20 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
         desc = _descriptor_cache[fmt] = _descriptors(fmt)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    as_long = lambda t: torch.as_tensor(t).to(torch.long).contiguous()  # noqa: E731
     torch.ops.lowbit_kv.packed_attention(
-        query, as_long(q_start), fmt.flat_pages(pages), as_long(group_table),
-        as_long(num_groups), as_long(skip_tokens), float(scale),
+        query, _int64(q_start), fmt.flat_pages(pages), _int64(group_table),
+        _int64(num_groups), _int64(skip_tokens), float(scale),
         desc.geometry, desc.key, desc.value, desc.fft_map, desc.codebooks, desc.key_columns,
         _NO_ROTATION if rotation is None else _rotation_pair(rotation), out, lse)
     return out, lse
+
+
+def _int64(t) -> torch.Tensor:
+    """An index argument as the kernel takes it, int64 contiguous (the backend's already are:
+    then no conversion, which costs a microsecond a call)."""
+    if isinstance(t, torch.Tensor) and t.dtype == torch.long and t.is_contiguous():
+        return t
+    return torch.as_tensor(t).to(torch.long).contiguous()
 
 
 #: id(M) -> (M, M's version, [M, Mᵀ]): a layer's M is the same tensor at every step

@@ -164,9 +164,11 @@ class PageFormat:
     def flat_pages(self, pages: torch.Tensor) -> torch.Tensor:
         """Any view of a layer's cache -> ``[num_blocks, H, P]`` uint8 sharing its memory."""
         require(pages.dtype == torch.uint8, "pages.dtype", "torch.uint8", pages.dtype)
-        flat = pages.view(pages.shape[0], self.H, -1)  # raises rather than copy
-        require(flat.shape[-1] == self.head_bytes, "page bytes per head",
-                f"{self.head_bytes} (the format's)", flat.shape[-1])
+        # the kernels' calls pass the flat view itself: no new view per call
+        flat = pages if pages.dim() == 3 else pages.view(pages.shape[0], self.H, -1)
+        head_bytes = self.head_bytes
+        require(flat.shape[1:] == (self.H, head_bytes), "pages", f"[num_blocks, {self.H}, "
+                f"{head_bytes}] (the format's heads and bytes per head)", tuple(flat.shape))
         require(flat.stride(-1) == 1, "pages", "contiguous along the page bytes", flat.stride())
         return flat
 
@@ -234,6 +236,11 @@ def gpu_format_reason(fmt: PageFormat) -> str | None:
     return "; ".join(reasons) or None
 
 
+def _require_output(name: str, x: torch.Tensor, shape: tuple[int, ...]) -> None:
+    require(x.dtype == torch.float32 and tuple(x.shape) == shape and x.is_contiguous(),
+            name, f"float32 contiguous {shape}", (x.dtype, tuple(x.shape)))
+
+
 def attention_outputs(query: torch.Tensor, q_start: torch.Tensor, group_table: torch.Tensor,
                       out: torch.Tensor | None = None, lse: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -243,11 +250,12 @@ def attention_outputs(query: torch.Tensor, q_start: torch.Tensor, group_table: t
     n, Hq, D = query.shape
     if out is None:
         out = torch.empty(n, Hq, D, dtype=torch.float32, device=query.device)
+    else:
+        _require_output("out", out, (n, Hq, D))
     if lse is None:
         lse = torch.empty(n, Hq, dtype=torch.float32, device=query.device)
-    for name, x, shape in (("out", out, (n, Hq, D)), ("lse", lse, (n, Hq))):
-        require(x.dtype == torch.float32 and tuple(x.shape) == shape and x.is_contiguous(),
-                name, f"float32 contiguous {shape}", (x.dtype, tuple(x.shape)))
+    else:
+        _require_output("lse", lse, (n, Hq))
     nothing = n == 0 or q_start.numel() <= 1 or group_table.dim() != 2 \
         or group_table.shape[1] == 0
     if nothing:

@@ -70,6 +70,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -1533,6 +1534,29 @@ struct Work {
         pb(reinterpret_cast<uint32_t*>(tiles[11])), zeros(tiles[12]) {}
 };
 
+// The scratch of this thread for calls without the tile path (decode steps), kept between
+// calls per page format: allocating and zeroing it (about 100 KB) cost as much as attending
+// a short context. A call reuses it as the items of one call reuse theirs.
+Work& kept_work(const Format& f, int M) {
+  constexpr size_t kMostFormats = 8;  // a model's layers use one or two
+  struct Kept {
+    std::vector<int64_t> format;
+    int M;
+    std::unique_ptr<Work> work;
+  };
+  thread_local std::vector<Kept> kept;
+  std::vector<int64_t> format{f.T, f.D, f.TP, f.H, f.N, f.sink_bytes, f.state_bytes, f.k_bytes};
+  format.insert(format.end(), f.key.begin(), f.key.end());
+  format.insert(format.end(), f.val.begin(), f.val.end());
+  for (Kept& k : kept)
+    if (k.format == format) {
+      if (k.M < M) k = {std::move(format), M, std::make_unique<Work>(f, M, 0)};
+      return *k.work;
+    }
+  if (kept.size() == kMostFormats) kept.erase(kept.begin());
+  kept.push_back({std::move(format), M, std::make_unique<Work>(f, M, 0)});
+  return *kept.back().work;
+}
 
 // Group st decoded as tiles: wk.kt[c * TP + t] = k_t[c] and wk.vrows[t * D + c] = v_t[c]
 // (tokens in [T, TP) finite junk). The codecs are linear in what the kernel folds into
@@ -1840,7 +1864,8 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
           query.stride(1), Hq, G, float(scale), rot, rot ? rot + D * D : nullptr};
 
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
-    Work wk(f, int(max_m), int64_t(max_m >= kTileMinVectors));
+    std::optional<Work> own;
+    Work& wk = max_m >= kTileMinVectors ? own.emplace(f, int(max_m), 1) : kept_work(f, int(max_m));
     for (int64_t k = begin; k < end; ++k) {
       const Item& it = items[k];
       if (it.partial >= 0) {
