@@ -157,7 +157,7 @@ inline vf load_bf16(const uint16_t* p) {
 }
 
 // One block of keys of an online softmax, for one query vector. row[0, n) holds its raw
-// scores (n a multiple of L), of which positions [lo, hi) count. Leaves in row the
+// scores (n a multiple of L), of which positions [lo, hi) count; scale > 0. Leaves in row the
 // probabilities exp(scale s - m) (0 outside [lo, hi)), m the new running maximum; updates
 // mrun and lsum (the sum of those probabilities) and multiplies acc[0, D) (what the earlier
 // blocks summed) by the correction exp(old m - m), which it returns (1 where nothing
@@ -169,19 +169,26 @@ inline float softmax_block(float* row, int n, int lo, int hi, float scale, float
     std::fill(row, row + n, 0.f);
     return 1.f;
   }
+  // every position counts (a full group): the scale goes into the exponent, no masking pass
+  // (scale > 0, so the maximum of the scaled scores is the scaled maximum)
+  const bool all = lo == 0 && hi == n;
   const vi lane = iota();
   vf mx = splat(kNoKey);
   for (int t = 0; t < n; t += L) {
-    const vi pos = lane + t;
-    const vf s = (pos >= lo) & (pos < hi) ? loadf(row + t) * scale : splat(kNoKey);
-    storef(row + t, s);
+    vf s = loadf(row + t);
+    if (!all) {
+      const vi pos = lane + t;
+      s = (pos >= lo) & (pos < hi) ? s * scale : splat(kNoKey);
+      storef(row + t, s);
+    }
     mx = mx > s ? mx : s;
   }
-  const float m_new = std::max(mrun, hmax(mx));
+  const float m_new = std::max(mrun, all ? hmax(mx) * scale : hmax(mx));
   const float corr = mrun == kNoKey ? 1.f : vexp(splat(mrun - m_new))[0];
+  const float s_scale = all ? scale : 1.f;
   vf total{};
   for (int t = 0; t < n; t += L) {
-    const vf e = vexp(loadf(row + t) - m_new);
+    const vf e = vexp(loadf(row + t) * s_scale - m_new);
     total += e;
     storef(row + t, e);
   }
