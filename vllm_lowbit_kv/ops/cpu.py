@@ -268,18 +268,18 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
     contiguous) to be overwritten. The kernel applies ``rotation`` itself: to each query
     vector as it loads it, to each output row as it writes it."""
     fmt = page_format(page)
-    reason = format_reason(fmt)
-    if reason:
-        raise ValueError(f"lowbit-kv C++ kernel: unsupported page format: {reason}")
-    reason = load_library()
-    if reason:
-        raise RuntimeError(reason)
+    desc = _descriptor_cache.get(fmt)
+    if desc is None:  # a format's first call: whether the kernel reads it, and is built
+        reason = format_reason(fmt)
+        if reason:
+            raise ValueError(f"lowbit-kv C++ kernel: unsupported page format: {reason}")
+        reason = load_library()
+        if reason:
+            raise RuntimeError(reason)
+        desc = _descriptor_cache[fmt] = _descriptors(fmt)
     out, lse, nothing = attention_outputs(query, q_start, group_table, out, lse)
     if nothing:
         return out, lse
-    desc = _descriptor_cache.get(fmt)
-    if desc is None:
-        desc = _descriptor_cache[fmt] = _descriptors(fmt)
     if query.stride(-1) != 1:
         query = query.contiguous()
     torch.ops.lowbit_kv.packed_attention(

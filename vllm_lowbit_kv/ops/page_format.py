@@ -166,10 +166,10 @@ class PageFormat:
         require(pages.dtype == torch.uint8, "pages.dtype", "torch.uint8", pages.dtype)
         # the kernels' calls pass the flat view itself: no new view per call
         flat = pages if pages.dim() == 3 else pages.view(pages.shape[0], self.H, -1)
-        head_bytes = self.head_bytes
-        require(flat.shape[1:] == (self.H, head_bytes), "pages", f"[num_blocks, {self.H}, "
-                f"{head_bytes}] (the format's heads and bytes per head)", tuple(flat.shape))
-        require(flat.stride(-1) == 1, "pages", "contiguous along the page bytes", flat.stride())
+        if flat.shape[1:] != (self.H, self.head_bytes) or flat.stride(-1) != 1:
+            raise ValueError(f"pages must be [num_blocks, {self.H}, {self.head_bytes}] (the "
+                             "format's heads and bytes per head), contiguous along the page "
+                             f"bytes, got shape {tuple(flat.shape)}, strides {flat.stride()}")
         return flat
 
     def _group_states(self, pages: torch.Tensor) -> torch.Tensor:
