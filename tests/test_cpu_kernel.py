@@ -442,6 +442,37 @@ def test_forward_layer_cpp_equals_torch(scheme, sinks, obs_window):
     assert torch.equal(runs["torch"][1], runs["cpp"][1])
 
 
+@pytest.mark.parametrize("scheme,sinks,window", [("vidkv", 4, 1), ("kivi2", 0, 0),
+                                                 ("kivi2", 3, 2)])
+def test_decode_exact_part_read_in_place_equals_gathered(scheme, sinks, window, monkeypatch):
+    """Decode rows' exact part (sinks, staged window and partial group, fresh token) by the
+    C++ kernel, which reads each key where it lives, equals the float32 attention over the
+    gathered copies it replaces: requests with different sink counts (one shorter than
+    the sinks), tails and window runs in one batch; int8 (vidkv) and bf16 (kivi2) staging."""
+    import vllm_lowbit_kv.paged.attention as attention
+
+    torch.manual_seed(5)
+    HQ, D = 9, 64
+    lens = [75, 44, 3]
+    seqs = [(rnd(L, 3, D), rnd(L, 3, D), rnd(L, HQ, D)) for L in lens]
+    schedule = [[30, 37, 2], [40, 0, 0]] + [[1, 1, 1]] * 6
+    in_place = attention.exact_decode_attention
+    calls = []
+    runs = []
+    for read_in_place in (True, False):
+        monkeypatch.setattr(attention, "exact_decode_attention",
+                            lambda *a: calls.append(in_place(*a)) or calls[-1] if read_in_place
+                            else False)
+        layout, pages, staging, alloc = make(scheme, T=16, block_size=32, sinks=sinks,
+                                             window=window, slots=12)
+        tables = [torch.arange(i * 8, (i + 1) * 8) for i in range(3)]
+        runs.append(run_schedule(layout, pages, staging, alloc, seqs, tables, schedule,
+                                 packed_attention=cpu.packed_attention)[1])
+    assert calls and all(calls)  # the kernel ran every decode batch
+    for (_, _, _, got), (_, _, _, want) in zip(*runs):
+        torch.testing.assert_close(got, want, **DENSE_TOL)
+
+
 # ----------------------------------------------------------------------- dense bf16 prefill
 #: the dense kernel computes in float32 (bf16 inputs widened exactly): only the order of
 #: the sums differs from float32 attention

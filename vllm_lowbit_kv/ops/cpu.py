@@ -68,7 +68,9 @@ SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "packed_attentio
 DENSE_SOURCE = SOURCE.with_name("dense_attention.cpp")
 #: the codecs' encoders for the serving path's writes (:func:`encode_states`)
 ENCODE_SOURCE = SOURCE.with_name("encode_states.cpp")
-SOURCES = (SOURCE, DENSE_SOURCE, ENCODE_SOURCE)
+#: decode rows' exact part, read where it lives (:func:`exact_decode_attention`)
+EXACT_DECODE_SOURCE = SOURCE.with_name("exact_decode.cpp")
+SOURCES = (SOURCE, DENSE_SOURCE, ENCODE_SOURCE, EXACT_DECODE_SOURCE)
 #: what the sources include (part of the build folder's hash, as the sources are)
 HEADERS = (SOURCE.with_name("vectors.h"), SOURCE.with_name("micro_gemm.h"),
            SOURCE.with_name("descriptors.h"))
@@ -338,6 +340,32 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     torch.ops.lowbit_kv.dense_attention(query, key, value, causal, key.shape[0] - n, float(scale),
                                         out, lse)
     return out, lse
+
+
+def exact_decode_attention(query: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor,
+                           sink_kv: torch.Tensor | None, sink_blocks: torch.Tensor, sinks: int,
+                           staged_k, staged_v, tail_slots: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, scale: float, out: torch.Tensor,
+                           lse: torch.Tensor) -> bool:
+    """Decode rows over their exact keys where they live (``csrc/cpu/exact_decode.cpp``):
+    request b's row ``rows[b]`` of query [n, Hq, D] over its ``sinks`` sink tokens (the
+    sink area ``sink_kv`` [num_blocks, 2, sink_tokens, H, D] of block ``sink_blocks[b]``),
+    the staged run in ``tail_slots[b]`` (``staged_k``/``staged_v``: :class:`StagedTokens`)
+    and its fresh token (key, value [n, H, D] at that row); position e of request b
+    counts where ``bias[b, e]`` [B, E] is finite. Writes those rows of ``out`` [n, Hq, D]
+    and ``lse`` [n, Hq] (float32 contiguous) and says True; False where it does not run
+    (another device, a head_dim it does not take, the library not loaded: this never
+    builds it)."""
+    if not _built or query.device.type != "cpu" or query.shape[-1] % LANES:
+        return False
+    none = torch.empty(0)
+    torch.ops.lowbit_kv.exact_decode_attention(
+        query, _int64(rows), bias.reshape(bias.shape[0], -1).float().contiguous(),
+        none if sink_kv is None else sink_kv, _int64(sink_blocks), int(sinks),
+        staged_k.data, none if staged_k.scale is None else staged_k.scale,
+        staged_v.data, none if staged_v.scale is None else staged_v.scale, _int64(tail_slots),
+        key, value, float(scale), out, lse)
+    return True
 
 
 def encode_reason(fmt: PageFormat) -> str | None:

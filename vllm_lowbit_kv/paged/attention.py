@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import merge_attention
-from ..ops.cpu import dense_attention
+from ..ops.cpu import dense_attention, exact_decode_attention
 from .layout import PagedLayout
 from .plan import ReadPlan
 from .write import Staging
@@ -139,6 +139,13 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
     out = torch.empty(n, Hq, D, dtype=torch.float32, device=query.device)
     lse = torch.empty(n, Hq, dtype=torch.float32, device=query.device)
     for b in rplan.exact:
+        # decode rows: the C++ kernel reads the keys where they live (no gathered copies,
+        # a few dozen small tensor operations fewer per layer); what it computes is below
+        if b.bias is not None and exact_decode_attention(
+                query, b.rows[:, 0], b.bias, layout.sink_kv(pages) if b.sinks else None,
+                b.sink_blocks, b.sinks, staging.k, staging.v, b.tail_slots, key, value, scale,
+                out, lse):
+            continue
         ks, vs = [], []
         if b.sinks:
             sk, sv = layout.read_sinks_batch(pages, b.sink_blocks, b.sinks)

@@ -159,6 +159,10 @@ class PagedLayout(PageBits):
                 .view(flat.shape[0], self.H, 2, self.sink_tokens, self.D * self._elt)
                 .permute(0, 2, 3, 1, 4))
 
+    def sink_kv(self, pages: torch.Tensor) -> torch.Tensor:
+        """``[B, 2, s, H, D]`` view of the sink areas (K then V) in the sink dtype."""
+        return self._sinks(pages).view(self.sink_dtype)
+
     def write_sinks(self, pages: torch.Tensor, blocks: torch.Tensor, pos: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor) -> None:
         """Tokens at positions ``pos`` (< sink_tokens) of sequences whose first block is

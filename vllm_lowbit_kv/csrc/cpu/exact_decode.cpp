@@ -1,0 +1,210 @@
+// The exact part of decode rows (vllm_lowbit_kv/paged/attention.py, exact_attention): each
+// request's one fresh row attends to its exact keys where they live, with no gathered copy:
+// its sink tokens (the sink area of its first block, model dtype), the staged run of its
+// context (staging slots, model dtype or int8 with a float32 scale per token and head) and
+// its own fresh token. Key position e of request b (E = sinks + tail + 1 positions, as the
+// read plan lays them out: sinks, then the staged run, then the fresh token) counts where
+// bias[b, e] is finite (0 in every plan; -inf: a position the request does not have).
+//
+// out[row, q] = sum_e softmax_e(scale q . k_e + bias_e) v_e and lse[row, q] its log-sum-exp,
+// float32 throughout (float32 attention up to summation order); query head q reads KV head
+// q / G. One work item per (request, KV head): its live keys and values widened to float32
+// once, then scores, softmax and value sums for the G query heads that share them.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vectors.h"
+
+namespace lowbit_kv {
+namespace {
+
+constexpr float kNoKey = -std::numeric_limits<float>::infinity();
+
+// D elements of type t at p -> floats (times `scale`, for int8 codes)
+void widen(at::ScalarType t, const void* p, int64_t D, float scale, float* dst) {
+  switch (t) {
+    case at::kFloat:
+      std::memcpy(dst, p, sizeof(float) * D);
+      return;
+    case at::kBFloat16: {  // a bf16 is the high half of a float32
+      const uint16_t* h = static_cast<const uint16_t*>(p);
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) {
+        const uint32_t u = uint32_t(h[c]) << 16;
+        std::memcpy(dst + c, &u, 4);
+      }
+      return;
+    }
+    case at::kHalf: {
+      const c10::Half* h = static_cast<const c10::Half*>(p);
+      for (int64_t c = 0; c < D; ++c) dst[c] = float(h[c]);
+      return;
+    }
+    default: {  // int8 codes
+      const int8_t* x = static_cast<const int8_t*>(p);
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) dst[c] = float(x[c]) * scale;
+    }
+  }
+}
+
+// A strided tensor's element at the given indices, as a byte pointer.
+template <int N>
+const uint8_t* at_index(const at::Tensor& t, const int64_t (&idx)[N]) {
+  int64_t off = 0;
+  for (int i = 0; i < N; ++i) off += idx[i] * t.stride(i);
+  return static_cast<const uint8_t*>(t.data_ptr()) + off * int64_t(t.element_size());
+}
+
+struct Staged {  // one staged tensor [S, T, H, D] and its scales [S, T, H, 1] (int8) or none
+  const at::Tensor& data;
+  const at::Tensor& scale;
+  // token `off` of slot `slot`, KV head h -> dst [D]
+  void row(int64_t slot, int64_t off, int64_t h, int64_t D, float* dst) const {
+    const float s = scale.numel() ? *reinterpret_cast<const float*>(
+                                        at_index<4>(scale, {slot, off, h, 0}))
+                                  : 1.f;
+    widen(data.scalar_type(), at_index<4>(data, {slot, off, h, 0}), D, s, dst);
+  }
+};
+
+}  // namespace
+
+void exact_decode_attention(const at::Tensor& query, const at::Tensor& rows,
+                            const at::Tensor& bias, const at::Tensor& sink_kv,
+                            const at::Tensor& sink_blocks, int64_t sinks,
+                            const at::Tensor& staged_k, const at::Tensor& staged_k_scale,
+                            const at::Tensor& staged_v, const at::Tensor& staged_v_scale,
+                            const at::Tensor& tail_slots, const at::Tensor& key,
+                            const at::Tensor& value, double scale, const at::Tensor& out,
+                            const at::Tensor& lse) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes(),
+              "query [n, Hq, D], key and value [n, H, D]");
+  const int64_t n = query.size(0), Hq = query.size(1), D = query.size(2), H = key.size(1);
+  TORCH_CHECK(key.size(0) == n && key.size(2) == D && D % L == 0 && H > 0 && Hq % H == 0,
+              "key/value rows and head_dim as the query's (a multiple of ", L,
+              "), query heads a multiple of the KV heads");
+  for (const at::Tensor* t : {&query, &key, &value, &staged_k, &staged_v})
+    TORCH_CHECK(t->stride(-1) == 1, "query, key, value and staging: unit stride in the last dim");
+  for (const at::Tensor* t : {&query, &key, &value})
+    TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16 ||
+                    t->scalar_type() == at::kHalf,
+                "query, key, value: float32, bfloat16 or float16");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows: int64 [B]");
+  const int64_t B = rows.size(0);
+  TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.dim() == 2 &&
+                  bias.size(0) == B,
+              "bias: float32 contiguous [B, E]");
+  const int64_t E = bias.size(1), tail = E - 1 - sinks;
+  TORCH_CHECK(sinks >= 0 && tail >= 0, "bias: sinks + tail + 1 positions per request");
+  if (sinks) {
+    TORCH_CHECK(sink_kv.dim() == 5 && sink_kv.size(1) == 2 && sink_kv.size(2) >= sinks &&
+                    sink_kv.size(3) == H && sink_kv.size(4) == D && sink_kv.stride(4) == 1 &&
+                    sink_blocks.scalar_type() == at::kLong && sink_blocks.numel() == B,
+                "sink_kv [num_blocks, 2, sink_tokens, H, D], sink_blocks int64 [B]");
+  }
+  if (tail) {
+    for (const at::Tensor* t : {&staged_k, &staged_v})
+      TORCH_CHECK(t->dim() == 4 && t->size(2) == H && t->size(3) == D,
+                  "staging [slots, T, H, D]");
+    for (const at::Tensor* t : {&staged_k_scale, &staged_v_scale})
+      TORCH_CHECK(t->numel() == 0 || (t->scalar_type() == at::kFloat && t->dim() == 4),
+                  "staging scales: float32 [slots, T, H, 1], or empty (model-dtype staging)");
+    TORCH_CHECK(tail_slots.scalar_type() == at::kLong && tail_slots.dim() == 2 &&
+                    tail_slots.size(0) == B &&
+                    tail_slots.size(1) * staged_k.size(1) >= tail,
+                "tail_slots: int64 [B, slots] holding tail tokens");
+  }
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == query.sizes(),
+              "out: float32 contiguous [n, Hq, D]");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == n * Hq,
+              "lse: float32 contiguous [n, Hq]");
+  const int64_t* row_of = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(row_of[b] >= 0 && row_of[b] < n, "rows[", b, "] outside the query's rows");
+  const int64_t G = Hq / H, T = tail ? staged_k.size(1) : 1;
+  const float* bias_p = bias.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  float* lse_p = lse.data_ptr<float>();
+  const Staged k_run{staged_k, staged_k_scale}, v_run{staged_v, staged_v_scale};
+
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    const size_t keys = size_t(E), width = size_t(D);
+    std::vector<float> krows(keys * width), vrows(keys * width), q(size_t(G) * width);
+    const size_t padded = size_t(round_up(int(E)));
+    std::vector<float> live_bias(keys), sc(padded), acc(width);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b = it / H, h = it % H, row = row_of[b];
+      // the live keys and values, widened; live bias kept beside them
+      int live = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        const float bias_e = bias_p[b * E + e];
+        if (bias_e == kNoKey) continue;
+        float* kd = krows.data() + size_t(live) * D;
+        float* vd = vrows.data() + size_t(live) * D;
+        if (e < sinks) {
+          const int64_t blk = sink_blocks.data_ptr<int64_t>()[b];
+          widen(sink_kv.scalar_type(), at_index<5>(sink_kv, {blk, 0, e, h, 0}), D, 1.f, kd);
+          widen(sink_kv.scalar_type(), at_index<5>(sink_kv, {blk, 1, e, h, 0}), D, 1.f, vd);
+        } else if (e < sinks + tail) {
+          const int64_t j = e - sinks;
+          const int64_t slot = tail_slots.data_ptr<int64_t>()[b * tail_slots.size(1) + j / T];
+          k_run.row(slot, j % T, h, D, kd);
+          v_run.row(slot, j % T, h, D, vd);
+        } else {
+          widen(key.scalar_type(), at_index<3>(key, {row, h, 0}), D, 1.f, kd);
+          widen(value.scalar_type(), at_index<3>(value, {row, h, 0}), D, 1.f, vd);
+        }
+        live_bias[live++] = bias_e;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t qh = h * G + g;
+        float* qv = q.data() + g * D;
+        widen(query.scalar_type(), at_index<3>(query, {row, qh, 0}), D, 1.f, qv);
+        for (int j = 0; j < live; ++j) {
+          const float* kd = krows.data() + size_t(j) * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t c = 0; c < D; ++c) s += qv[c] * kd[c];
+          sc[j] = float(scale) * s + live_bias[j];
+        }
+        float mrun = kNoKey, lsum = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        softmax_block(sc.data(), round_up(live), 0, live, 1.f, mrun, lsum, acc.data(), int(D));
+        for (int j = 0; j < live; ++j) {
+          const float p = sc[j];
+          const float* vd = vrows.data() + size_t(j) * D;
+#pragma omp simd
+          for (int64_t c = 0; c < D; ++c) acc[c] += p * vd[c];
+        }
+        float* o = out_p + (row * Hq + qh) * D;
+        const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+        for (int64_t c = 0; c < D; ++c) o[c] = acc[c] * inv;
+        lse_p[row * Hq + qh] = lsum > 0.f ? mrun + std::log(lsum) : kNoKey;
+      }
+    }
+  });
+}
+
+TORCH_LIBRARY_FRAGMENT(lowbit_kv, m) {
+  m.def(
+      "exact_decode_attention(Tensor query, Tensor rows, Tensor bias, Tensor sink_kv, "
+      "Tensor sink_blocks, int sinks, Tensor staged_k, Tensor staged_k_scale, Tensor staged_v, "
+      "Tensor staged_v_scale, Tensor tail_slots, Tensor key, Tensor value, float scale, "
+      "Tensor(a!) out, Tensor(b!) lse) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(lowbit_kv, CPU, m) {
+  m.impl("exact_decode_attention", &exact_decode_attention);
+}
+
+}  // namespace lowbit_kv
