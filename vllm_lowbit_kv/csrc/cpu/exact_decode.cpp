@@ -16,6 +16,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,25 +58,46 @@ void widen(at::ScalarType t, const void* p, int64_t D, float scale, float* dst) 
   }
 }
 
-// A strided tensor's element at the given indices, as a byte pointer.
-template <int N>
-const uint8_t* at_index(const at::Tensor& t, const int64_t (&idx)[N]) {
-  int64_t off = 0;
-  for (int i = 0; i < N; ++i) off += idx[i] * t.stride(i);
-  return static_cast<const uint8_t*>(t.data_ptr()) + off * int64_t(t.element_size());
-}
-
-struct Staged {  // one staged tensor [S, T, H, D] and its scales [S, T, H, 1] (int8) or none
-  const at::Tensor& data;
-  const at::Tensor& scale;
-  // token `off` of slot `slot`, KV head h -> dst [D]
-  void row(int64_t slot, int64_t off, int64_t h, int64_t D, float* dst) const {
-    const float s = scale.numel() ? *reinterpret_cast<const float*>(
-                                        at_index<4>(scale, {slot, off, h, 0}))
-                                  : 1.f;
-    widen(data.scalar_type(), at_index<4>(data, {slot, off, h, 0}), D, s, dst);
+// A tensor's data pointer, strides in bytes and dtype, read once: at::Tensor's accessors
+// per row (a call and a dimension check each) cost more than the attention itself.
+struct View {
+  const uint8_t* base = nullptr;
+  int64_t stride[5] = {};
+  at::ScalarType dtype = at::kFloat;
+  explicit View(const at::Tensor& t) {
+    if (!t.numel()) return;
+    base = static_cast<const uint8_t*>(t.data_ptr());
+    for (int64_t i = 0; i < t.dim() && i < 5; ++i) stride[i] = t.stride(i) * t.element_size();
+    dtype = t.scalar_type();
+  }
+  const uint8_t* at(int64_t a, int64_t b, int64_t c = 0, int64_t d = 0) const {
+    return base + a * stride[0] + b * stride[1] + c * stride[2] + d * stride[3];
+  }
+  // row [D] at the given leading indices, widened (times `scale` for int8 codes)
+  void row(int64_t a, int64_t b, int64_t c, int64_t d, int64_t D, float scale, float* dst) const {
+    widen(dtype, at(a, b, c, d), D, scale, dst);
   }
 };
+
+struct Staged {  // one staged tensor [S, T, H, D] and its scales [S, T, H, 1] (int8) or none
+  View data, scale;
+  // token `off` of slot `slot`, KV head h -> dst [D]
+  void row(int64_t slot, int64_t off, int64_t h, int64_t D, float* dst) const {
+    const float s = scale.base ? *reinterpret_cast<const float*>(scale.at(slot, off, h)) : 1.f;
+    data.row(slot, off, h, 0, D, s, dst);
+  }
+};
+
+// o[0, NV L) = inv * sum_j p[j] v[j * D + (0, NV L)]: NV vectors of sums kept in registers
+template <int NV>
+void value_sums(const float* p, int n, const float* v, int64_t D, float inv, float* o) {
+  vf a[NV] = {};
+  for (int j = 0; j < n; ++j) {
+    const vf pj = splat(p[j]);
+    for (int u = 0; u < NV; ++u) a[u] += pj * loadf(v + j * D + u * L);
+  }
+  for (int u = 0; u < NV; ++u) storef(o + u * L, a[u] * inv);
+}
 
 }  // namespace
 
@@ -135,13 +157,18 @@ void exact_decode_attention(const at::Tensor& query, const at::Tensor& rows,
   const float* bias_p = bias.data_ptr<float>();
   float* out_p = out.data_ptr<float>();
   float* lse_p = lse.data_ptr<float>();
-  const Staged k_run{staged_k, staged_k_scale}, v_run{staged_v, staged_v_scale};
+  const Staged k_run{View(staged_k), View(staged_k_scale)};
+  const Staged v_run{View(staged_v), View(staged_v_scale)};
+  const View sink(sink_kv), q_in(query), k_in(key), v_in(value);
+  const int64_t* blocks = sinks ? sink_blocks.data_ptr<int64_t>() : nullptr;
+  const int64_t* slots = tail ? tail_slots.data_ptr<int64_t>() : nullptr;
+  const int64_t slots_per_request = tail ? tail_slots.size(1) : 0;
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     const size_t keys = size_t(E), width = size_t(D);
     std::vector<float> krows(keys * width), vrows(keys * width), q(size_t(G) * width);
     const size_t padded = size_t(round_up(int(E)));
-    std::vector<float> live_bias(keys), sc(padded), acc(width);
+    std::vector<float> live_bias(keys), sc(padded);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = it / H, h = it % H, row = row_of[b];
       // the live keys and values, widened; live bias kept beside them
@@ -152,43 +179,37 @@ void exact_decode_attention(const at::Tensor& query, const at::Tensor& rows,
         float* kd = krows.data() + size_t(live) * D;
         float* vd = vrows.data() + size_t(live) * D;
         if (e < sinks) {
-          const int64_t blk = sink_blocks.data_ptr<int64_t>()[b];
-          widen(sink_kv.scalar_type(), at_index<5>(sink_kv, {blk, 0, e, h, 0}), D, 1.f, kd);
-          widen(sink_kv.scalar_type(), at_index<5>(sink_kv, {blk, 1, e, h, 0}), D, 1.f, vd);
+          sink.row(blocks[b], 0, e, h, D, 1.f, kd);
+          sink.row(blocks[b], 1, e, h, D, 1.f, vd);
         } else if (e < sinks + tail) {
-          const int64_t j = e - sinks;
-          const int64_t slot = tail_slots.data_ptr<int64_t>()[b * tail_slots.size(1) + j / T];
+          const int64_t j = e - sinks, slot = slots[b * slots_per_request + j / T];
           k_run.row(slot, j % T, h, D, kd);
           v_run.row(slot, j % T, h, D, vd);
         } else {
-          widen(key.scalar_type(), at_index<3>(key, {row, h, 0}), D, 1.f, kd);
-          widen(value.scalar_type(), at_index<3>(value, {row, h, 0}), D, 1.f, vd);
+          k_in.row(row, h, 0, 0, D, 1.f, kd);
+          v_in.row(row, h, 0, 0, D, 1.f, vd);
         }
         live_bias[live++] = bias_e;
       }
+      const float score_scale = float(scale);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t qh = h * G + g;
         float* qv = q.data() + g * D;
-        widen(query.scalar_type(), at_index<3>(query, {row, qh, 0}), D, 1.f, qv);
-        for (int j = 0; j < live; ++j) {
-          const float* kd = krows.data() + size_t(j) * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t c = 0; c < D; ++c) s += qv[c] * kd[c];
-          sc[j] = float(scale) * s + live_bias[j];
-        }
+        q_in.row(row, qh, 0, 0, D, 1.f, qv);
+        for (int j = 0; j < live; ++j)
+          sc[j] = score_scale * dot(qv, krows.data() + size_t(j) * D, int(D)) + live_bias[j];
         float mrun = kNoKey, lsum = 0.f;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        softmax_block(sc.data(), round_up(live), 0, live, 1.f, mrun, lsum, acc.data(), int(D));
-        for (int j = 0; j < live; ++j) {
-          const float p = sc[j];
-          const float* vd = vrows.data() + size_t(j) * D;
-#pragma omp simd
-          for (int64_t c = 0; c < D; ++c) acc[c] += p * vd[c];
-        }
-        float* o = out_p + (row * Hq + qh) * D;
+        softmax_block(sc.data(), round_up(live), 0, live, 1.f, mrun, lsum, nullptr, 0);
         const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-        for (int64_t c = 0; c < D; ++c) o[c] = acc[c] * inv;
+        float* o = out_p + (row * Hq + qh) * D;
+        for (int64_t c0 = 0; c0 < D; c0 += 4 * L) {
+          switch (std::min<int64_t>(4, (D - c0) / L)) {
+            case 1: value_sums<1>(sc.data(), live, vrows.data() + c0, D, inv, o + c0); break;
+            case 2: value_sums<2>(sc.data(), live, vrows.data() + c0, D, inv, o + c0); break;
+            case 3: value_sums<3>(sc.data(), live, vrows.data() + c0, D, inv, o + c0); break;
+            default: value_sums<4>(sc.data(), live, vrows.data() + c0, D, inv, o + c0);
+          }
+        }
         lse_p[row * Hq + qh] = lsum > 0.f ? mrun + std::log(lsum) : kNoKey;
       }
     }

@@ -110,22 +110,6 @@ inline void halves_to_float(const uint8_t* src, int n, float* dst) {
   }
 }
 
-// two accumulators and a shuffle reduction (the compiler's reduction went through memory)
-inline float dot(const float* a, const float* b, int n) {
-  vf s0 = vf{}, s1 = vf{};
-  int i = 0;
-  for (; i + 2 * L <= n; i += 2 * L) {
-    s0 += loadf(a + i) * loadf(b + i);
-    s1 += loadf(a + i + L) * loadf(b + i + L);
-  }
-  if (i + L <= n) {
-    s0 += loadf(a + i) * loadf(b + i);
-    i += L;
-  }
-  if (i < n) s1 += loadf_first(a + i, n - i) * loadf_first(b + i, n - i);
-  return hsum(s0 + s1);
-}
-
 inline bool bit_at(const uint8_t* p, int i) { return (p[i >> 3] >> (i & 7)) & 1; }
 // bits [c0, c0 + 16) of a bit mask (c0 a multiple of 16)
 inline uint16_t mask16(const uint8_t* p, int c0) {

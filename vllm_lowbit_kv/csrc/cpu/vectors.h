@@ -73,6 +73,22 @@ inline float hsum(vf v) {
   return v[0];
 }
 
+// two accumulators and a shuffle reduction (the compiler's reduction went through memory)
+inline float dot(const float* a, const float* b, int n) {
+  vf s0 = vf{}, s1 = vf{};
+  int i = 0;
+  for (; i + 2 * L <= n; i += 2 * L) {
+    s0 += loadf(a + i) * loadf(b + i);
+    s1 += loadf(a + i + L) * loadf(b + i + L);
+  }
+  if (i + L <= n) {
+    s0 += loadf(a + i) * loadf(b + i);
+    i += L;
+  }
+  if (i < n) s1 += loadf_first(a + i, n - i) * loadf_first(b + i, n - i);
+  return hsum(s0 + s1);
+}
+
 // the lanes of a and b interleaved (a0, b0, a1, b1, ...): from their low halves, or high
 inline vf zip_low(vf a, vf b) { return __builtin_shuffle(a, b, (iota() >> 1) + (iota() & 1) * L); }
 inline vf zip_high(vf a, vf b) {
