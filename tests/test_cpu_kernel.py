@@ -299,6 +299,12 @@ want_out, want_lse = dense_reference(q.bfloat16(), q[:, :2].bfloat16(), q[:, 2:]
                                      0.1, 0)
 torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
 torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=0)
+# decode rows' exact part read in place (int8 staging, sinks, a window) in this build
+from test_cpu_kernel import exact_decode_both_ways
+(got, want), ran = exact_decode_both_ways("vidkv", 4, 1)
+assert ran
+for a, b in zip(got, want):
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 # the query and output rotation in this build's vector width (the output's lane sums)
 m, _ = torch.linalg.qr(torch.randn(64, 64, generator=torch.Generator().manual_seed(1)))
 layout = layout_for("vidkv", {}, H=2, T=32, block_size=64, sinks=2)
@@ -442,13 +448,10 @@ def test_forward_layer_cpp_equals_torch(scheme, sinks, obs_window):
     assert torch.equal(runs["torch"][1], runs["cpp"][1])
 
 
-@pytest.mark.parametrize("scheme,sinks,window", [("vidkv", 4, 1), ("kivi2", 0, 0),
-                                                 ("kivi2", 3, 2)])
-def test_decode_exact_part_read_in_place_equals_gathered(scheme, sinks, window, monkeypatch):
-    """Decode rows' exact part (sinks, staged window and partial group, fresh token) by the
-    C++ kernel, which reads each key where it lives, equals the float32 attention over the
-    gathered copies it replaces: requests with different sink counts (one shorter than
-    the sinks), tails and window runs in one batch; int8 (vidkv) and bf16 (kivi2) staging."""
+def exact_decode_both_ways(scheme, sinks, window):
+    """forward_layer's outputs through chunked prefill and decode of three requests (one
+    shorter than the sinks), the decode rows' exact part read in place by the C++ kernel
+    and gathered by PyTorch; and whether the kernel took every decode batch."""
     import vllm_lowbit_kv.paged.attention as attention
 
     torch.manual_seed(5)
@@ -457,20 +460,34 @@ def test_decode_exact_part_read_in_place_equals_gathered(scheme, sinks, window, 
     seqs = [(rnd(L, 3, D), rnd(L, 3, D), rnd(L, HQ, D)) for L in lens]
     schedule = [[30, 37, 2], [40, 0, 0]] + [[1, 1, 1]] * 6
     in_place = attention.exact_decode_attention
-    calls = []
-    runs = []
-    for read_in_place in (True, False):
-        monkeypatch.setattr(attention, "exact_decode_attention",
-                            lambda *a: calls.append(in_place(*a)) or calls[-1] if read_in_place
-                            else False)
-        layout, pages, staging, alloc = make(scheme, T=16, block_size=32, sinks=sinks,
-                                             window=window, slots=12)
-        tables = [torch.arange(i * 8, (i + 1) * 8) for i in range(3)]
-        runs.append(run_schedule(layout, pages, staging, alloc, seqs, tables, schedule,
-                                 packed_attention=cpu.packed_attention)[1])
-    assert calls and all(calls)  # the kernel ran every decode batch
-    for (_, _, _, got), (_, _, _, want) in zip(*runs):
-        torch.testing.assert_close(got, want, **DENSE_TOL)
+    calls, runs = [], []
+    try:
+        for read_in_place in (True, False):
+            attention.exact_decode_attention = (
+                (lambda *a: calls.append(in_place(*a)) or calls[-1]) if read_in_place
+                else (lambda *a: False))
+            layout, pages, staging, alloc = make(scheme, T=16, block_size=32, sinks=sinks,
+                                                 window=window, slots=12)
+            tables = [torch.arange(i * 8, (i + 1) * 8) for i in range(3)]
+            runs.append([o[3] for o in run_schedule(layout, pages, staging, alloc, seqs, tables,
+                                                    schedule,
+                                                    packed_attention=cpu.packed_attention)[1]])
+    finally:
+        attention.exact_decode_attention = in_place
+    return runs, bool(calls) and all(calls)
+
+
+@pytest.mark.parametrize("scheme,sinks,window", [("vidkv", 4, 1), ("kivi2", 0, 0),
+                                                 ("kivi2", 3, 2)])
+def test_decode_exact_part_read_in_place_equals_gathered(scheme, sinks, window):
+    """Decode rows' exact part (sinks, staged window and partial group, fresh token) by the
+    C++ kernel, which reads each key where it lives, equals the float32 attention over the
+    gathered copies it replaces: requests with different sink counts, tails and window
+    runs in one batch; int8 (vidkv) and bf16 (kivi2) staging."""
+    (got, want), kernel_ran = exact_decode_both_ways(scheme, sinks, window)
+    assert kernel_ran
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **DENSE_TOL)
 
 
 # ----------------------------------------------------------------------- dense bf16 prefill
