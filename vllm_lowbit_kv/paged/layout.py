@@ -182,8 +182,7 @@ class PagedLayout(PageBits):
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``n`` sink tokens of each sequence whose first block is in ``blocks``:
         K, V [B, n, H, D] float32."""
-        kv = self._sinks(pages).index_select(0, blocks.to(pages.device))[:, :, :n]
-        kv = kv.contiguous().view(self.sink_dtype)
+        kv = self.sink_kv(pages).index_select(0, blocks.to(pages.device))[:, :, :n]
         return kv[:, 0].float(), kv[:, 1].float()
 
 
