@@ -490,6 +490,36 @@ def test_decode_exact_part_read_in_place_equals_gathered(scheme, sinks, window):
         torch.testing.assert_close(a, b, **DENSE_TOL)
 
 
+@pytest.mark.parametrize("staging_dtype", ["int8", "model"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_staging_writes_equal_the_pytorch_ones(staging_dtype, dtype, monkeypatch):
+    """The C++ staging write stores what StagedTokens.store's PyTorch path stores, bit for
+    bit: absmax_int8's codes and scales (halves rounded to even, an all-zero row at scale
+    1) or the model dtype, through a head view of the buffers as a split layer stages."""
+    import vllm_lowbit_kv.paged.write as write
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 3, 64, generator=g) * 3
+    x[4] = 0
+    x[5, 1] = 0
+    x[5, 1, :8] = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -1.5, 3.5, -2.5])  # scale 1: ties
+    x = x.to(dtype)
+    rows = torch.tensor([0, 4, 5, 7, 19, 11])
+    slot, off = torch.tensor([0, 0, 1, 2, 2, 3]), torch.tensor([0, 5, 3, 0, 1, 15])
+    in_cpp = write.stage_rows
+    ran, stored = [], []
+    for cpp in (True, False):
+        monkeypatch.setattr(write, "stage_rows", (lambda *a: ran.append(in_cpp(*a)) or ran[-1])
+                            if cpp else (lambda *a: False))
+        staging = write.Staging.allocate(4, 16, 5, 64, torch.bfloat16, staging_dtype=staging_dtype)
+        staging.heads(1, 4, 3).k.store(slot, off, x, rows)
+        stored.append((staging.k.data, staging.k.scale))
+    assert ran == [True]
+    (data, scale), (want_data, want_scale) = stored
+    assert torch.equal(data, want_data)
+    assert (scale is None and want_scale is None) or torch.equal(scale, want_scale)
+
+
 # ----------------------------------------------------------------------- dense bf16 prefill
 #: the dense kernel computes in float32 (bf16 inputs widened exactly): only the order of
 #: the sums differs from float32 attention

@@ -70,7 +70,9 @@ DENSE_SOURCE = SOURCE.with_name("dense_attention.cpp")
 ENCODE_SOURCE = SOURCE.with_name("encode_states.cpp")
 #: decode rows' exact part, read where it lives (:func:`exact_decode_attention`)
 EXACT_DECODE_SOURCE = SOURCE.with_name("exact_decode.cpp")
-SOURCES = (SOURCE, DENSE_SOURCE, ENCODE_SOURCE, EXACT_DECODE_SOURCE)
+#: the staging buffers' writes (:func:`stage_rows`)
+STAGING_SOURCE = SOURCE.with_name("staging.cpp")
+SOURCES = (SOURCE, DENSE_SOURCE, ENCODE_SOURCE, EXACT_DECODE_SOURCE, STAGING_SOURCE)
 #: what the sources include (part of the build folder's hash, as the sources are)
 HEADERS = (SOURCE.with_name("vectors.h"), SOURCE.with_name("micro_gemm.h"),
            SOURCE.with_name("descriptors.h"))
@@ -365,6 +367,20 @@ def exact_decode_attention(query: torch.Tensor, rows: torch.Tensor, bias: torch.
         staged_k.data, none if staged_k.scale is None else staged_k.scale,
         staged_v.data, none if staged_v.scale is None else staged_v.scale, _int64(tail_slots),
         key, value, float(scale), out, lse)
+    return True
+
+
+def stage_rows(x: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, off: torch.Tensor,
+               data: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """Rows ``rows`` of x [n, H, D] into staging ``data`` [slots, T, H, D] at (``slot``,
+    ``off``) (``csrc/cpu/staging.cpp``): in data's dtype, or, with ``scale`` [slots, T, H,
+    1], as int8 codes and scales equal to :func:`~vllm_lowbit_kv.codecs.quant.absmax_int8`'s
+    for finite rows. True where it ran; False where it does not run (another device, the
+    library not loaded: this never builds it)."""
+    if not _built or x.device.type != "cpu" or data.device.type != "cpu":
+        return False
+    torch.ops.lowbit_kv.stage_rows(x, _int64(rows), _int64(slot), _int64(off), data,
+                                   torch.empty(0) if scale is None else scale)
     return True
 
 

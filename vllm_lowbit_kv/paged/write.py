@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs.quant import absmax_int8, require_staging_dtype
+from ..ops.cpu import stage_rows
 from .layout import SINK_RELEVANCE, PagedLayout, mask_sink_rows, rank_protected
 from .plan import WritePlan
 
@@ -42,8 +43,12 @@ class StagedTokens:
         return StagedTokens(self.data[:, :, lo:hi], None if self.scale is None else
                             self.scale[:, :, lo:hi])
 
-    def store(self, slot: torch.Tensor, off: torch.Tensor, x: torch.Tensor) -> None:
-        """Tokens ``x`` [n, H, D] at (``slot``, ``off``) [n]."""
+    def store(self, slot: torch.Tensor, off: torch.Tensor, x: torch.Tensor, rows: torch.Tensor
+              ) -> None:
+        """Tokens ``x[rows]`` (x [n, H, D]) at (``slot``, ``off``) [len(rows)]."""
+        if stage_rows(x, rows, slot, off, self.data, self.scale):  # the C++ op, no copies
+            return
+        x = x[rows]
         if self.scale is None:
             self.data[slot, off] = x.to(self.data.dtype)
         else:
@@ -202,7 +207,7 @@ def stage_tokens(plan: WritePlan, key: torch.Tensor, value: torch.Tensor, stagin
                  query: torch.Tensor | None = None) -> None:
     """Copy the fresh tokens of groups still incomplete into their staging slots."""
     if plan.stage_tok.numel():
-        staging.k.store(plan.stage_slot, plan.stage_off, key[plan.stage_tok])
-        staging.v.store(plan.stage_slot, plan.stage_off, value[plan.stage_tok])
+        staging.k.store(plan.stage_slot, plan.stage_off, key, plan.stage_tok)
+        staging.v.store(plan.stage_slot, plan.stage_off, value, plan.stage_tok)
         if staging.q is not None and query is not None:
             staging.q[plan.stage_slot, plan.stage_off] = query[plan.stage_tok].to(staging.q.dtype)

@@ -1,0 +1,129 @@
+// The staging buffers' writes (vllm_lowbit_kv/paged/write.py, StagedTokens.store): fresh
+// tokens of groups still incomplete go to their staging slots, in the model dtype or as
+// int8 codes with a float32 scale per (token, KV head). The int8 codes are
+// codecs/quant.py's absmax_int8 bit for bit: scale = max |x| / 127 (1 for an all-zero
+// row), code = x / scale rounded to nearest even, clamped to [-127, 127].
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace lowbit_kv {
+namespace {
+
+// element c of a row of type t at p, as float32
+inline float element(at::ScalarType t, const uint8_t* p, int64_t c) {
+  switch (t) {
+    case at::kFloat: {
+      float x;
+      std::memcpy(&x, p + 4 * c, 4);
+      return x;
+    }
+    case at::kBFloat16: {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * c, 2);
+      const uint32_t u = uint32_t(h) << 16;
+      float x;
+      std::memcpy(&x, &u, 4);
+      return x;
+    }
+    default: {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * c, 2);
+      return float(c10::Half(h, c10::Half::from_bits()));
+    }
+  }
+}
+
+// float32 x -> element c of a row of type t at p (round to nearest even, as torch's .to)
+inline void put(at::ScalarType t, uint8_t* p, int64_t c, float x) {
+  switch (t) {
+    case at::kFloat: std::memcpy(p + 4 * c, &x, 4); return;
+    case at::kBFloat16: {
+      const uint16_t h = c10::BFloat16(x).x;
+      std::memcpy(p + 2 * c, &h, 2);
+      return;
+    }
+    default: {
+      const uint16_t h = c10::Half(x).x;
+      std::memcpy(p + 2 * c, &h, 2);
+    }
+  }
+}
+
+}  // namespace
+
+// x [n, H, D] rows tok[i] -> data[slot[i], off[i], h] (and scale[slot[i], off[i], h] for
+// int8 data; scale empty for model-dtype data)
+void stage_rows(const at::Tensor& x, const at::Tensor& tok, const at::Tensor& slot,
+                const at::Tensor& off, const at::Tensor& data, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x: [n, H, D] with unit stride in the last dim");
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf,
+              "x: float32, bfloat16 or float16");
+  const int64_t H = x.size(1), D = x.size(2), m = tok.numel();
+  for (const at::Tensor* t : {&tok, &slot, &off})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == m,
+                "tok, slot, off: int64 contiguous, one per staged token");
+  TORCH_CHECK(data.dim() == 4 && data.size(2) == H && data.size(3) == D && data.stride(3) == 1,
+              "data: [slots, T, H, D] with unit stride in the last dim");
+  const auto dt = data.scalar_type();
+  const bool int8 = dt == at::kChar;
+  TORCH_CHECK(int8 || dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "data: int8 or a float dtype");
+  TORCH_CHECK(!int8 || (scale.scalar_type() == at::kFloat && scale.dim() == 4 &&
+                        scale.size(0) == data.size(0) && scale.size(1) == data.size(1) &&
+                        scale.size(2) == H),
+              "scale: float32 [slots, T, H, 1] beside int8 data");
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  const int64_t* op = off.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < x.size(0) && sp[i] >= 0 && sp[i] < data.size(0) &&
+                    op[i] >= 0 && op[i] < data.size(1),
+                "staged token ", i, ": row, slot or offset out of range");
+  const uint8_t* xb = static_cast<const uint8_t*>(x.data_ptr());
+  uint8_t* db = static_cast<uint8_t*>(data.data_ptr());
+  const int64_t xs0 = x.stride(0) * x.element_size(), xs1 = x.stride(1) * x.element_size();
+  const int64_t ds0 = data.stride(0) * data.element_size(),
+                ds1 = data.stride(1) * data.element_size(),
+                ds2 = data.stride(2) * data.element_size();
+  float* sb = int8 ? scale.data_ptr<float>() : nullptr;
+  const int64_t ss0 = int8 ? scale.stride(0) : 0, ss1 = int8 ? scale.stride(1) : 0,
+                ss2 = int8 ? scale.stride(2) : 0;
+  at::parallel_for(0, m * H, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t i = it / H, h = it % H;
+      const uint8_t* src = xb + tp[i] * xs0 + h * xs1;
+      uint8_t* dst = db + sp[i] * ds0 + op[i] * ds1 + h * ds2;
+      if (!int8) {
+        for (int64_t c = 0; c < D; ++c) put(dt, dst, c, element(xt, src, c));
+        continue;
+      }
+      float amax = 0.f;
+      for (int64_t c = 0; c < D; ++c) amax = std::max(amax, std::fabs(element(xt, src, c)));
+      float s = amax / 127.f;
+      if (!(s > 0.f)) s = 1.f;
+      int8_t* codes = reinterpret_cast<int8_t*>(dst);
+      for (int64_t c = 0; c < D; ++c)
+        codes[c] = int8_t(std::clamp(std::nearbyint(element(xt, src, c) / s), -127.f, 127.f));
+      sb[sp[i] * ss0 + op[i] * ss1 + h * ss2] = s;
+    }
+  });
+}
+
+TORCH_LIBRARY_FRAGMENT(lowbit_kv, m) {
+  m.def("stage_rows(Tensor x, Tensor tok, Tensor slot, Tensor off, Tensor(a!) data, "
+        "Tensor(b!) scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(lowbit_kv, CPU, m) { m.impl("stage_rows", &stage_rows); }
+
+}  // namespace lowbit_kv
