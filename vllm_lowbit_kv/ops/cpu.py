@@ -360,7 +360,7 @@ def exact_decode_attention(query: torch.Tensor, rows: torch.Tensor, bias: torch.
     builds it)."""
     if not _built or query.device.type != "cpu" or query.shape[-1] % LANES:
         return False
-    none = torch.empty(0)
+    none = torch.empty(0, device=query.device)  # not the default device, which may be meta
     torch.ops.lowbit_kv.exact_decode_attention(
         query, _int64(rows), bias.reshape(bias.shape[0], -1).float().contiguous(),
         none if sink_kv is None else sink_kv, _int64(sink_blocks), int(sinks),
@@ -380,7 +380,7 @@ def stage_rows(x: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, off: tor
     if not _built or x.device.type != "cpu" or data.device.type != "cpu":
         return False
     torch.ops.lowbit_kv.stage_rows(x, _int64(rows), _int64(slot), _int64(off), data,
-                                   torch.empty(0) if scale is None else scale)
+                                   torch.empty(0, device=x.device) if scale is None else scale)
     return True
 
 
