@@ -490,6 +490,27 @@ def test_decode_exact_part_read_in_place_equals_gathered(scheme, sinks, window):
         torch.testing.assert_close(a, b, **DENSE_TOL)
 
 
+def test_decode_exact_part_refuses_indices_outside_its_buffers():
+    """A sink block or staging slot outside the buffers is an error naming it, not a read
+    of whatever memory lies there."""
+    from vllm_lowbit_kv.paged.write import StagedTokens
+
+    q, k = torch.randn(2, 6, 64), torch.randn(2, 3, 64)
+    staged = StagedTokens.allocate((4, 16, 3, 64), torch.float32, "int8")
+    sinks = torch.zeros(5, 2, 2, 3, 64)
+    out, lse = torch.empty(2, 6, 64), torch.empty(2, 6)
+    bias = torch.zeros(2, 2 + 16 + 1)
+    good = dict(sink_blocks=torch.tensor([0, 4]), tail_slots=torch.tensor([[1], [3]]))
+    for field, bad in (("sink_blocks", torch.tensor([0, 5])),
+                       ("tail_slots", torch.tensor([[1], [4]]))):
+        args = {**good, field: bad}
+        with pytest.raises(RuntimeError, match=field):
+            cpu.exact_decode_attention(q, torch.tensor([0, 1]), bias, sinks, args["sink_blocks"],
+                                       2, staged, staged, args["tail_slots"], k, k, 0.125, out, lse)
+    assert cpu.exact_decode_attention(q, torch.tensor([0, 1]), bias, sinks, good["sink_blocks"],
+                                      2, staged, staged, good["tail_slots"], k, k, 0.125, out, lse)
+
+
 @pytest.mark.parametrize("staging_dtype", ["int8", "model"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_staging_writes_equal_the_pytorch_ones(staging_dtype, dtype, monkeypatch):

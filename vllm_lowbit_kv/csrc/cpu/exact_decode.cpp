@@ -121,7 +121,8 @@ void exact_decode_attention(const at::Tensor& query, const at::Tensor& rows,
     TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16 ||
                     t->scalar_type() == at::kHalf,
                 "query, key, value: float32, bfloat16 or float16");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows: int64 [B]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+              "rows: int64 contiguous [B]");
   const int64_t B = rows.size(0);
   TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.dim() == 2 &&
                   bias.size(0) == B,
@@ -131,8 +132,9 @@ void exact_decode_attention(const at::Tensor& query, const at::Tensor& rows,
   if (sinks) {
     TORCH_CHECK(sink_kv.dim() == 5 && sink_kv.size(1) == 2 && sink_kv.size(2) >= sinks &&
                     sink_kv.size(3) == H && sink_kv.size(4) == D && sink_kv.stride(4) == 1 &&
-                    sink_blocks.scalar_type() == at::kLong && sink_blocks.numel() == B,
-                "sink_kv [num_blocks, 2, sink_tokens, H, D], sink_blocks int64 [B]");
+                    sink_blocks.scalar_type() == at::kLong && sink_blocks.numel() == B &&
+                    sink_blocks.is_contiguous(),
+                "sink_kv [num_blocks, 2, sink_tokens, H, D], sink_blocks int64 contiguous [B]");
   }
   if (tail) {
     for (const at::Tensor* t : {&staged_k, &staged_v})
@@ -142,11 +144,12 @@ void exact_decode_attention(const at::Tensor& query, const at::Tensor& rows,
       TORCH_CHECK(t->numel() == 0 || (t->scalar_type() == at::kFloat && t->dim() == 4),
                   "staging scales: float32 [slots, T, H, 1], or empty (model-dtype staging)");
     TORCH_CHECK(tail_slots.scalar_type() == at::kLong && tail_slots.dim() == 2 &&
-                    tail_slots.size(0) == B &&
+                    tail_slots.is_contiguous() && tail_slots.size(0) == B &&
                     tail_slots.size(1) * staged_k.size(1) >= tail,
-                "tail_slots: int64 [B, slots] holding tail tokens");
+                "tail_slots: int64 contiguous [B, slots] holding tail tokens");
   }
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == query.sizes(),
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  out.sizes() == query.sizes(),
               "out: float32 contiguous [n, Hq, D]");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == n * Hq,
               "lse: float32 contiguous [n, Hq]");
@@ -163,6 +166,12 @@ void exact_decode_attention(const at::Tensor& query, const at::Tensor& rows,
   const int64_t* blocks = sinks ? sink_blocks.data_ptr<int64_t>() : nullptr;
   const int64_t* slots = tail ? tail_slots.data_ptr<int64_t>() : nullptr;
   const int64_t slots_per_request = tail ? tail_slots.size(1) : 0;
+  for (int64_t b = 0; sinks && b < B; ++b)
+    TORCH_CHECK(blocks[b] >= 0 && blocks[b] < sink_kv.size(0), "sink_blocks[", b,
+                "] outside the cache's blocks");
+  for (int64_t i = 0; i < B * slots_per_request; ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < staged_k.size(0) && slots[i] < staged_v.size(0),
+                "tail_slots: slot ", slots[i], " outside the staging buffers");
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     const size_t keys = size_t(E), width = size_t(D);
