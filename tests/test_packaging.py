@@ -20,6 +20,7 @@ KERNEL_SOURCES = ["vllm_lowbit_kv/csrc/cpu/packed_attention.cpp",
                   "vllm_lowbit_kv/csrc/cpu/exact_decode.cpp",
                   "vllm_lowbit_kv/csrc/cpu/staging.cpp",
                   "vllm_lowbit_kv/csrc/cpu/descriptors.h",
+                  "vllm_lowbit_kv/csrc/cpu/dtypes.h",
                   "vllm_lowbit_kv/csrc/cuda/bindings.cpp",
                   "vllm_lowbit_kv/csrc/cuda/packed_attention.cu",
                   "vllm_lowbit_kv/csrc/cuda/packed_attention.cuh"]

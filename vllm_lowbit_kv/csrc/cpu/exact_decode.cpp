@@ -13,7 +13,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -23,40 +22,13 @@
 #include <limits>
 #include <vector>
 
+#include "dtypes.h"
 #include "vectors.h"
 
 namespace lowbit_kv {
 namespace {
 
 constexpr float kNoKey = -std::numeric_limits<float>::infinity();
-
-// D elements of type t at p -> floats (times `scale`, for int8 codes)
-void widen(at::ScalarType t, const void* p, int64_t D, float scale, float* dst) {
-  switch (t) {
-    case at::kFloat:
-      std::memcpy(dst, p, sizeof(float) * D);
-      return;
-    case at::kBFloat16: {  // a bf16 is the high half of a float32
-      const uint16_t* h = static_cast<const uint16_t*>(p);
-#pragma omp simd
-      for (int64_t c = 0; c < D; ++c) {
-        const uint32_t u = uint32_t(h[c]) << 16;
-        std::memcpy(dst + c, &u, 4);
-      }
-      return;
-    }
-    case at::kHalf: {
-      const c10::Half* h = static_cast<const c10::Half*>(p);
-      for (int64_t c = 0; c < D; ++c) dst[c] = float(h[c]);
-      return;
-    }
-    default: {  // int8 codes
-      const int8_t* x = static_cast<const int8_t*>(p);
-#pragma omp simd
-      for (int64_t c = 0; c < D; ++c) dst[c] = float(x[c]) * scale;
-    }
-  }
-}
 
 // A tensor's data pointer, strides in bytes and dtype, read once: at::Tensor's accessors
 // per row (a call and a dimension check each) cost more than the attention itself.

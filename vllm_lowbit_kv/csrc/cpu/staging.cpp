@@ -1,64 +1,21 @@
 // The staging buffers' writes (vllm_lowbit_kv/paged/write.py, StagedTokens.store): fresh
 // tokens of groups still incomplete go to their staging slots, in the model dtype or as
 // int8 codes with a float32 scale per (token, KV head). The int8 codes are
-// codecs/quant.py's absmax_int8 bit for bit: scale = max |x| / 127 (1 for an all-zero
-// row), code = x / scale rounded to nearest even, clamped to [-127, 127].
+// codecs/quant.py's absmax_int8 bit for bit on finite rows: scale = max |x| / 127 (1 for
+// an all-zero row), code = x / scale rounded to nearest even, clamped to [-127, 127].
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <vector>
+
+#include "dtypes.h"
 
 namespace lowbit_kv {
-namespace {
-
-// element c of a row of type t at p, as float32
-inline float element(at::ScalarType t, const uint8_t* p, int64_t c) {
-  switch (t) {
-    case at::kFloat: {
-      float x;
-      std::memcpy(&x, p + 4 * c, 4);
-      return x;
-    }
-    case at::kBFloat16: {
-      uint16_t h;
-      std::memcpy(&h, p + 2 * c, 2);
-      const uint32_t u = uint32_t(h) << 16;
-      float x;
-      std::memcpy(&x, &u, 4);
-      return x;
-    }
-    default: {
-      uint16_t h;
-      std::memcpy(&h, p + 2 * c, 2);
-      return float(c10::Half(h, c10::Half::from_bits()));
-    }
-  }
-}
-
-// float32 x -> element c of a row of type t at p (round to nearest even, as torch's .to)
-inline void put(at::ScalarType t, uint8_t* p, int64_t c, float x) {
-  switch (t) {
-    case at::kFloat: std::memcpy(p + 4 * c, &x, 4); return;
-    case at::kBFloat16: {
-      const uint16_t h = c10::BFloat16(x).x;
-      std::memcpy(p + 2 * c, &h, 2);
-      return;
-    }
-    default: {
-      const uint16_t h = c10::Half(x).x;
-      std::memcpy(p + 2 * c, &h, 2);
-    }
-  }
-}
-
-}  // namespace
 
 // x [n, H, D] rows tok[i] -> data[slot[i], off[i], h] (and scale[slot[i], off[i], h] for
 // int8 data; scale empty for model-dtype data)
@@ -99,21 +56,22 @@ void stage_rows(const at::Tensor& x, const at::Tensor& tok, const at::Tensor& sl
   const int64_t ss0 = int8 ? scale.stride(0) : 0, ss1 = int8 ? scale.stride(1) : 0,
                 ss2 = int8 ? scale.stride(2) : 0;
   at::parallel_for(0, m * H, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(static_cast<size_t>(D));
     for (int64_t it = begin; it < end; ++it) {
       const int64_t i = it / H, h = it % H;
-      const uint8_t* src = xb + tp[i] * xs0 + h * xs1;
       uint8_t* dst = db + sp[i] * ds0 + op[i] * ds1 + h * ds2;
+      widen(xt, xb + tp[i] * xs0 + h * xs1, D, 1.f, row.data());
       if (!int8) {
-        for (int64_t c = 0; c < D; ++c) put(dt, dst, c, element(xt, src, c));
+        narrow(row.data(), D, dt, dst);
         continue;
       }
       float amax = 0.f;
-      for (int64_t c = 0; c < D; ++c) amax = std::max(amax, std::fabs(element(xt, src, c)));
+      for (int64_t c = 0; c < D; ++c) amax = std::max(amax, std::fabs(row[c]));
       float s = amax / 127.f;
       if (!(s > 0.f)) s = 1.f;
       int8_t* codes = reinterpret_cast<int8_t*>(dst);
       for (int64_t c = 0; c < D; ++c)
-        codes[c] = int8_t(std::clamp(std::nearbyint(element(xt, src, c) / s), -127.f, 127.f));
+        codes[c] = int8_t(std::clamp(std::nearbyint(row[c] / s), -127.f, 127.f));
       sb[sp[i] * ss0 + op[i] * ss1 + h * ss2] = s;
     }
   });

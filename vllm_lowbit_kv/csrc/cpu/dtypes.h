@@ -1,0 +1,63 @@
+// Rows of the model's dtypes (float32, bfloat16, float16) and of int8 codes to float32 and
+// back, for the kernels that read or write tensors of any of them (exact_decode.cpp,
+// staging.cpp).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace lowbit_kv {
+namespace {
+
+// D elements of type t at p -> floats (times `scale`, for int8 codes)
+inline void widen(at::ScalarType t, const void* p, int64_t D, float scale, float* dst) {
+  switch (t) {
+    case at::kFloat:
+      std::memcpy(dst, p, sizeof(float) * D);
+      return;
+    case at::kBFloat16: {  // a bf16 is the high half of a float32
+      const uint16_t* h = static_cast<const uint16_t*>(p);
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) {
+        const uint32_t u = uint32_t(h[c]) << 16;
+        std::memcpy(dst + c, &u, 4);
+      }
+      return;
+    }
+    case at::kHalf: {
+      const c10::Half* h = static_cast<const c10::Half*>(p);
+      for (int64_t c = 0; c < D; ++c) dst[c] = float(h[c]);
+      return;
+    }
+    default: {  // int8 codes
+      const int8_t* x = static_cast<const int8_t*>(p);
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) dst[c] = float(x[c]) * scale;
+    }
+  }
+}
+
+// D floats -> elements of float type t at p (rounded to nearest even, as torch's .to)
+inline void narrow(const float* x, int64_t D, at::ScalarType t, void* p) {
+  switch (t) {
+    case at::kFloat:
+      std::memcpy(p, x, sizeof(float) * D);
+      return;
+    case at::kBFloat16: {
+      c10::BFloat16* h = static_cast<c10::BFloat16*>(p);
+      for (int64_t c = 0; c < D; ++c) h[c] = c10::BFloat16(x[c]);
+      return;
+    }
+    default: {
+      c10::Half* h = static_cast<c10::Half*>(p);
+      for (int64_t c = 0; c < D; ++c) h[c] = c10::Half(x[c]);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace lowbit_kv
