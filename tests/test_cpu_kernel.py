@@ -191,9 +191,10 @@ def test_kernel_matches_reference_random_shapes(scheme, T, blocks_per, heads, n_
 
 
 #: (scheme, overrides, head_dim, block_tokens) taking each path of the kernel's code
-#: readers: rows of key codes byte-aligned (transposed 16 rows at a time by byte permutes,
-#: 1- and 2-bit columns read through lookup tables, 4- and 8-bit ones converted) or not
-#: (vidkv k=0.4: 26 two-bit and 38 one-bit channels; 8-bit rows of 128 bytes: repacked);
+#: readers: rows of key codes byte-aligned (transposed 16 rows at a time by byte permutes
+#: with AVX-512 VBMI) or not (vidkv k=0.4: 26 two-bit and 38 one-bit channels; 8-bit rows
+#: of 128 bytes: repacked); 1-bit (and with AVX-512 2-bit) columns read through lookup
+#: tables, others converted (so is an odd count of each, k=0.4 at 48: 19 and 29);
 #: value codes decoded in registers (2, 4, 8 bits; per token, per channel, STP rows);
 #: head_dim of 1 to 4 vectors per channel block; groups of 16 to 48 tokens, not all
 #: multiples of 16 (the last row block part empty)
@@ -202,6 +203,7 @@ CODE_PATHS = [
     ("kivi2", {"bits": 8}, 128, 32), ("kivi2", {"bits": 8}, 64, 40), ("vidkv", {"k": 0.4}, 64, 32),
     ("vidkv", {}, 128, 48), ("vidkv_stp", {}, 96, 40), ("vidkv_visual", {}, 64, 24),
     ("vidkv_k15v2", {}, 80, 32), ("vidkv", {"k": 0.25}, 64, 16), ("vidkv_k2v2", {}, 32, 24),
+    ("vidkv", {"k": 0.4}, 48, 24),
 ]
 
 
@@ -371,9 +373,9 @@ def cpu_flags() -> set[str]:
 def test_portable_build_without_avx512(tmp_path, march):
     """The kernel built without AVX-512 matches the reference too (FORMATS and CODE_PATHS,
     RVQ's per-query tables), and so does the encoder (RVQ's float32 search): for AVX2
-    (x86-64-v3: the AVX2 fused trits, AVX2 int8/code/fp16 conversions, repacked code rows
-    read column by column, narrower vectors) and for SSE4 only (x86-64-v2: the scalar trit
-    table and generic conversions, the path of any other CPU). On an AVX2 CPU without
+    (x86-64-v3: the AVX2 fused trits, AVX2 int8/code/fp16 conversions, repacked code rows,
+    1-bit key columns through pair tables, narrower vectors) and for SSE4 only (x86-64-v2:
+    the scalar trit table and generic conversions, the path of any other CPU). On an AVX2 CPU without
     AVX-512 the native build every other test checks is the x86-64-v3 one: not built twice."""
     import os
 
@@ -387,8 +389,9 @@ def test_portable_build_without_avx512(tmp_path, march):
 
 def test_avx512_build_without_vbmi(tmp_path):
     """The kernel built for AVX-512 without VBMI (Skylake-SP: AVX-512 conversions and masked
-    tails, but the trit table and repacked code rows, no byte-permute paths) matches the
-    reference too; skipped where this CPU cannot run AVX-512 BW/VL/DQ/CD."""
+    tails and nibble tables, but AVX2 fused trits and repacked code rows, no byte-permute
+    paths) matches the reference too; skipped where this CPU cannot run AVX-512
+    BW/VL/DQ/CD."""
     flags = cpu_flags()
     need = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
     if not need <= flags:

@@ -21,11 +21,12 @@ multiple of 16; any number of query heads per KV head. That covers ``vidkv``,
 ``vidkv_k2v2``, ``vidkv_k15v2`` and the ``rvq*`` schemes. The kernel's arguments are
 derived from the :class:`~vllm_lowbit_kv.ops.page_format.PageFormat`
 (:class:`Descriptors`). The ISA is the build machine's (``-march=native``, one build
-folder per CPU): with AVX-512 (F, BW, VBMI) key code rows that are byte-aligned are
-transposed by byte permutes and 1-/2-bit key columns read through per-nibble lookup
-tables (T-MAC style), ternary values decoded in registers; KIVI value codes are decoded
-in registers everywhere; without VBMI (``LOWBIT_KV_CPU_MARCH=skylake-avx512``) or
-AVX-512 (``x86-64-v3``), as two tests build it, the portable paths run. One known
+folder per CPU): key columns of low-bit codes are read through lookup tables (T-MAC
+style; AVX-512: per nibble of 1-/2-bit codes, AVX2: per pair of 1-bit codes), ternary and
+KIVI value codes decoded in registers; with AVX-512 VBMI byte-aligned key code rows are
+transposed by byte permutes. Builds without VBMI (``LOWBIT_KV_CPU_MARCH=skylake-avx512``),
+without AVX-512 (``x86-64-v3``) and without AVX2 (``x86-64-v2``: the portable paths,
+scalar conversions) are checked by tests on machines that can run them. One known
 difference from the reference codecs: they clamp decoded VidKV/ternary elements to
 +-65504, the kernel (which never rebuilds keys) does not; it only matters for K/V
 magnitudes near the fp16 limit. :func:`store` encodes with ``csrc/cpu/encode_states.cpp``

@@ -26,15 +26,14 @@
 // same folded paths (unit queries give the key channels, one-hot probabilities the value
 // rows), and multiplies the tiles with all its query vectors (micro_gemm.h).
 //
-// With AVX-512 (F, BW, VBMI; the build is -march=native, so the ISA is the machine's),
-// code rows are transposed 16 rows at a time by byte permutes (no scalar repacking), and
-// 1- and 2-bit key columns are read through lookup tables (T-MAC style): per query vector
-// and per 4-bit nibble of a row, a 16-entry table of the partial score of every bit
-// pattern, per-channel weights folded in, looked up for 16 tokens by one vpermps. Value
-// codes (KIVI 2/4/8-bit, STP rows) are decoded in registers as they are summed. Without
-// AVX-512 the portable paths (repacked rows, columns one at a time) run; with AVX2 and F16C
-// their int8, code and fp16 conversions are vector instructions (the generic conversions,
-// for any other CPU, are scalar loops).
+// The build is -march=native, so the ISA is the machine's. Key columns of low-bit codes
+// are read through lookup tables (T-MAC style): per query vector and per group of bits of
+// a row, a table of the partial score of every bit pattern, per-channel weights folded
+// in, looked up for a vector of tokens by one permute (AVX-512: 4-bit groups of 1- and
+// 2-bit codes, vpermps; AVX2: 2-bit groups of 1-bit codes, vpermilps). With AVX-512 VBMI
+// code rows are transposed 16 rows at a time by byte permutes, elsewhere repacked. Value
+// codes (KIVI 2/4/8-bit, STP rows) and trits are decoded in registers as they are summed
+// (AVX-512 or AVX2; the generic conversions, for any other CPU, are scalar loops).
 //
 // RVQ pages (seed 001: each token's head vector as K codeword indices per channel group,
 // times its std; the layer's codebooks, float32, passed beside the pages): where the item
@@ -301,70 +300,97 @@ inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
 }
 
 #if defined(__AVX2__)
-// The AVX2 form of the fused row sums above: 16 trits at a time in 16-bit lanes. Trits
-// [u, u + 16) of the stream lie in the 4 bytes from u / 5: lane k takes byte (r + k) / 5,
-// digit (r + k) % 5 (r = u % 5, so five shuffle/multiplier pairs), the digit by the same
-// multiply as TritSimd's.
+// The AVX2 form of the fused row sums above, 16 channels at a time in 16-bit lanes. The
+// trits of channels [c, c + 32) of a row start at digit r = (row D + c) % 5 of byte
+// (row D + c) / 5 and lie in the next 8 bytes: one 16-byte load broadcast to both halves,
+// then lane k of half h takes byte (r + ch) / 5, digit (r + ch) % 5 of channel
+// ch = 16 h + k / 2 (k even) or 16 h + 8 + k / 2 (k odd) (a shuffle/multiplier pair per r
+// and h), the digit by TritSimd's multiply. As in TritLanes, a trit t is read as the float
+// 2t: bf16 bits (digit - 1) << 14 in every 16-bit lane, turned into two vectors of 8
+// channels in order by one shift and one mask.
 struct TritAvx2 {
-  __m256i shuf[5], mul[5];
+  __m256i shuf[5][2], mul[5][2];
   TritAvx2() {
     static const int kMul[5] = {21846, 7282, 2428, 810, 270};
     alignas(32) uint8_t b[32];
     alignas(32) uint16_t m[16];
-    for (int r = 0; r < 5; ++r) {
-      for (int k = 0; k < 16; ++k) {
-        b[2 * k] = uint8_t((r + k) / 5);  // every 128-bit lane holds the 4 bytes (broadcast)
-        b[2 * k + 1] = 0x80;              // zero high byte
-        m[k] = uint16_t(kMul[(r + k) % 5]);
+    for (int r = 0; r < 5; ++r)
+      for (int h = 0; h < 2; ++h) {
+        for (int k = 0; k < 16; ++k) {
+          const int ch = 16 * h + (k % 2 ? 8 + k / 2 : k / 2);
+          b[2 * k] = uint8_t((r + ch) / 5);
+          b[2 * k + 1] = 0x80;  // zero high byte
+          m[k] = uint16_t(kMul[(r + ch) % 5]);
+        }
+        shuf[r][h] = _mm256_load_si256((const __m256i*)b);
+        mul[r][h] = _mm256_load_si256((const __m256i*)m);
       }
-      shuf[r] = _mm256_load_si256((const __m256i*)b);
-      mul[r] = _mm256_load_si256((const __m256i*)m);
-    }
   }
 };
 
-// trits [u, u + 16) of a stream of `bytes` bytes as two vectors of 8 floats
-inline void trits_at(const uint8_t* src, int64_t bytes, int64_t u, const TritAvx2& c, __m256* x) {
-  const int64_t b0 = u / 5;
-  uint32_t word = 0;
-  if (b0 + 4 <= bytes)
-    std::memcpy(&word, src + b0, 4);
-  else  // the stream's last bytes: never read past it
-    std::memcpy(&word, src + b0, size_t(bytes - b0));
-  const int r = int(u % 5);
-  const __m256i g = _mm256_shuffle_epi8(_mm256_set1_epi32(int(word)), c.shuf[r]);
-  const __m256i t = _mm256_sub_epi16(
-      _mm256_mulhi_epu16(_mm256_mullo_epi16(g, c.mul[r]), _mm256_set1_epi16(3)),
-      _mm256_set1_epi16(1));
-  x[0] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(t)));
-  x[1] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(t, 1)));
+// channels [16 h, 16 h + 16) of the 32 trits from digit r of the broadcast bytes, as two
+// vectors of 8 floats, each 2 trit
+inline void trits16_avx2(__m256i raw, int r, int h, const TritAvx2& c, __m256* x) {
+  const __m256i digit =
+      _mm256_mulhi_epu16(_mm256_mullo_epi16(_mm256_shuffle_epi8(raw, c.shuf[r][h]), c.mul[r][h]),
+                         _mm256_set1_epi16(3));
+  const __m256i bf =
+      _mm256_sub_epi16(_mm256_slli_epi16(digit, 14), _mm256_set1_epi16(0x4000));
+  x[0] = _mm256_castsi256_ps(_mm256_slli_epi32(bf, 16));
+  x[1] = _mm256_castsi256_ps(_mm256_and_si256(bf, _mm256_set1_epi32(int(0xFFFF0000u))));
 }
 
-// acc_w[m * D + c] = sum_i p[m * TP + pos[i]] trit(i, c), D a multiple of 32
+// acc_w[m * D + c] = sum_i p[m * TP + pos[i]] trit(i, c) for channels [c0, c0 + 16 H): the
+// loops are all fixed-length, so that the MB x 2H sums stay in registers
+template <int MB, int H>
+void ternary_pass(const uint8_t* src, int n, int D, const int* pos, const float* p, int TP,
+                  float* acc_w, int m0, int c0) {
+  static const TritAvx2 c;
+  const int64_t bytes = (int64_t(n) * D + 4) / 5;
+  alignas(16) uint8_t tail[16] = {};
+  __m256 acc[MB][2 * H];
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < 2 * H; ++v) acc[m][v] = _mm256_setzero_ps();
+  int64_t b0 = c0 / 5;  // row i's first byte and digit, advanced by D trits a row
+  int r = c0 % 5;
+  for (int i = 0; i < n; ++i) {
+    const uint8_t* window = src + b0;
+    if (b0 + 16 > bytes) {  // the stream's last bytes: never read past it
+      std::memcpy(tail, src + b0, size_t(bytes - b0));
+      window = tail;
+    }
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)window));
+    __m256 x[2 * H];
+    for (int h = 0; h < H; ++h) trits16_avx2(raw, r, h, c, x + 2 * h);
+    const int at = pos[i];
+    for (int m = 0; m < MB; ++m) {
+      const __m256 pm = _mm256_set1_ps(p[(m0 + m) * TP + at]);
+      for (int v = 0; v < 2 * H; ++v) acc[m][v] = _mm256_fmadd_ps(x[v], pm, acc[m][v]);
+    }
+    b0 += D / 5;
+    r += D % 5;
+    if (r >= 5) {
+      r -= 5;
+      ++b0;
+    }
+  }
+  const __m256 half = _mm256_set1_ps(0.5f);
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < 2 * H; ++v)
+      _mm256_storeu_ps(acc_w + (m0 + m) * D + c0 + v * 8, _mm256_mul_ps(acc[m][v], half));
+}
+
+// all D channels (a multiple of 16): 32 a pass for up to three query vectors, 16 for more
 template <int MB>
 void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const float* p, int TP,
                       float* acc_w, int m0) {
-  static const TritAvx2 c;
-  const int64_t bytes = (int64_t(n) * D + 4) / 5;
-  for (int c0 = 0; c0 < D; c0 += 32) {
-    __m256 acc[MB][4];
-    for (int m = 0; m < MB; ++m)
-      for (int v = 0; v < 4; ++v) acc[m][v] = _mm256_setzero_ps();
-    for (int i = 0; i < n; ++i) {
-      __m256 x[4];
-      trits_at(src, bytes, int64_t(i) * D + c0, c, x);
-      trits_at(src, bytes, int64_t(i) * D + c0 + 16, c, x + 2);
-      const int at = pos[i];
-      for (int m = 0; m < MB; ++m) {
-        const __m256 pm = _mm256_set1_ps(p[(m0 + m) * TP + at]);
-        for (int v = 0; v < 4; ++v) acc[m][v] = _mm256_fmadd_ps(x[v], pm, acc[m][v]);
-      }
-    }
-    for (int m = 0; m < MB; ++m)
-      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc_w + (m0 + m) * D + c0 + v * 8, acc[m][v]);
-  }
+  constexpr int H = MB <= 3 ? 2 : 1;  // more sums than registers past three
+  int c0 = 0;
+  for (; c0 + 16 * H <= D; c0 += 16 * H)
+    ternary_pass<MB, H>(src, n, D, pos, p, TP, acc_w, m0, c0);
+  if (c0 < D) ternary_pass<MB, 1>(src, n, D, pos, p, TP, acc_w, m0, c0);
 }
-#define LOWBIT_FUSED_TRITS 32
+#define LOWBIT_FUSED_TRITS 16
 #endif
 #endif
 
@@ -373,7 +399,16 @@ void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const fl
 int repack_rows(const uint8_t* src, int n, int J, int bits, uint32_t* words, int TP) {
   const int64_t row_bits = int64_t(J) * bits, bytes = (n * row_bits + 7) / 8;
   const int W = int((row_bits + 31) / 32);
-  if (row_bits % 32 == 0) {  // rows are whole words: a transpose
+  if (W == 1 && row_bits == 32) {  // one word a row: already in place
+    std::memcpy(words, src, size_t(4) * n);
+  } else if (W == 2 && row_bits == 64) {  // two: even and odd words apart (vectorized)
+    for (int i = 0; i < n; ++i) {
+      uint32_t pair[2];
+      std::memcpy(pair, src + 8 * int64_t(i), 8);
+      words[i] = pair[0];
+      words[TP + i] = pair[1];
+    }
+  } else if (row_bits % 32 == 0) {  // rows are whole words: a transpose
     for (int i = 0; i < n; ++i)
       for (int w = 0; w < W; ++w)
         std::memcpy(&words[w * TP + i], src + 4 * (int64_t(i) * W + w), 4);
@@ -425,14 +460,9 @@ void column_scores(const uint32_t* words, int W, int TP, int J, int bits, const 
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #define LOWBIT_FAST_CODES 1
-// -- fast code columns (AVX-512 VBMI) ----------------------------------------------------
+// -- fast code rows (AVX-512 VBMI) -------------------------------------------------------
 // Rows of rb bytes (b-bit codes, rows byte-aligned) are transposed 16 at a time by byte
-// permutes (no scalar repacking): word w of row t lands in lane t. Columns of 1- and 2-bit
-// codes are then read through lookup tables, T-MAC style: per query vector and per 4-bit
-// nibble of a row (4 one-bit or 2 two-bit codes) a 16-entry table of the partial dot
-// product for every bit pattern (the per-channel weights folded in), looked up for 16 rows
-// at once by one vpermps (which reads only the low 4 bits of each lane, so a lane is just
-// shifted, never masked).
+// permutes (no scalar repacking): word w of row t lands in lane t.
 constexpr int kMaxRowBytes = 64;
 
 struct RowPlan {  // how to transpose 16 rows of rb bytes: per output word, its permutes
@@ -504,60 +534,81 @@ void transpose_rows(const uint8_t* src, int n, int rb, uint32_t* words, int TP) 
   }
 }
 
-// tabs[(m * nib + k) * 16 + pattern] = sum_j w[m * J + k * per + j] code_j(pattern) for the
-// MB query vectors from m0 (per = 4 / bits codes per nibble; tables indexed from m0)
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define LOWBIT_LUT 1
+// -- lookup-table code columns (T-MAC style) -----------------------------------------------
+// Columns of low-bit codes, their rows as words (word w of row t in lane t), are read through
+// lookup tables: per query vector and per group of G bits of a row a table of the partial
+// dot product for every bit pattern (the per-channel weights folded in), looked up for L rows
+// at once by one permute that reads only the low bits of each lane (so a lane is just
+// shifted, never masked). AVX-512: G = 4 (16 entries, vpermps), for 1- and 2-bit codes;
+// AVX2: G = 2 (4 entries repeated in both 128-bit halves, vpermilps: an in-lane permute,
+// where AVX2's cross-lane vpermps is slow on Zen 3), for 1-bit codes only, as 2-bit codes
+// are read faster by multiply-adds than by a lookup each.
+constexpr int kGroupBits = L == 16 ? 4 : 2;
+inline bool lut_pays(int bits) { return 2 * bits <= kGroupBits; }
+
+// table[idx mod 2^G] in every lane (a table is one vector)
+inline vf lookup(const float* table, vu idx) {
+#if defined(__AVX512F__)
+  return vf(_mm512_permutexvar_ps(__m512i(idx), _mm512_loadu_ps(table)));
+#else
+  return vf(_mm256_permutevar_ps(_mm256_loadu_ps(table), __m256i(idx)));
+#endif
+}
+
+// tabs[(m * groups + k) * L + lane] = sum_j w[m * J + k * per + j] code_j(lane mod 2^G) for
+// the MB query vectors from m0 (per = G / bits codes per group; tables indexed from m0)
 template <int MB>
 void build_tables(const float* w, int J, int bits, float* tabs, int m0) {
-  const int per = 4 / bits, nib = J / per;
-  const __m512i pat = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
-  __m512 code[4];
+  const int per = kGroupBits / bits, groups = J / per;
+  const vi mask = vi{} + ((1 << bits) - 1);
+  vf code[kGroupBits];
   for (int j = 0; j < per; ++j)
-    code[j] =
-        _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(pat, unsigned(j * bits)), mask));
+    code[j] = __builtin_convertvector(((iota() & ((1 << kGroupBits) - 1)) >> (j * bits)) & mask,
+                                      vf);
   for (int m = 0; m < MB; ++m) {
     const float* wm = w + (m0 + m) * J;
-    float* tm = tabs + m * nib * L;
-    for (int k = 0; k < nib; ++k) {
-      __m512 t = _mm512_mul_ps(code[0], _mm512_set1_ps(wm[k * per]));
-      for (int j = 1; j < per; ++j)
-        t = _mm512_fmadd_ps(code[j], _mm512_set1_ps(wm[k * per + j]), t);
-      _mm512_storeu_ps(tm + k * L, t);
+    float* tm = tabs + m * groups * L;
+    for (int k = 0; k < groups; ++k) {
+      vf t = code[0] * wm[k * per];
+      for (int j = 1; j < per; ++j) t += code[j] * wm[k * per + j];
+      storef(tm + k * L, t);
     }
   }
 }
 
-// out[m * TP + i] += the tables' sums over row i's nibbles, for MB query vectors from m0
+// out[m * TP + i] += the tables' sums over row i's groups, for MB query vectors from m0
 template <int MB>
-void lut_scores(const uint32_t* words, int nib, int TP, const float* tabs, float* out, int m0) {
+void lut_scores(const uint32_t* words, int groups, int TP, const float* tabs, float* out,
+                int m0) {
+  constexpr int per_word = 32 / kGroupBits;
   for (int tb = 0; tb < TP; tb += L) {
-    __m512 acc[MB], acc2[MB];
+    vf acc[MB], acc2[MB];
     for (int m = 0; m < MB; ++m) {
-      acc[m] = _mm512_loadu_ps(out + (m0 + m) * TP + tb);
-      acc2[m] = _mm512_setzero_ps();
+      acc[m] = loadf(out + (m0 + m) * TP + tb);
+      acc2[m] = vf{};
     }
-    for (int k0 = 0; k0 < nib; k0 += 8) {
-      const __m512i wv = _mm512_loadu_si512(words + (k0 / 8) * TP + tb);
-      const int kn = std::min(8, nib - k0);
+    for (int k0 = 0; k0 < groups; k0 += per_word) {
+      const vu wv = loadu(words + (k0 / per_word) * TP + tb);
+      const int kn = std::min(per_word, groups - k0);
       int k = 0;
       for (; k + 2 <= kn; k += 2) {  // two chains per vector: the adds overlap
-        const __m512i i0 = _mm512_srlv_epi32(wv, _mm512_set1_epi32(4 * k));
-        const __m512i i1 = _mm512_srlv_epi32(wv, _mm512_set1_epi32(4 * k + 4));
+        const vu i0 = wv >> unsigned(kGroupBits * k), i1 = wv >> unsigned(kGroupBits * (k + 1));
         for (int m = 0; m < MB; ++m) {
-          const float* tm = tabs + (m * nib + k0 + k) * L;
-          acc[m] = _mm512_add_ps(acc[m], _mm512_permutexvar_ps(i0, _mm512_loadu_ps(tm)));
-          acc2[m] = _mm512_add_ps(acc2[m], _mm512_permutexvar_ps(i1, _mm512_loadu_ps(tm + L)));
+          const float* tm = tabs + (m * groups + k0 + k) * L;
+          acc[m] += lookup(tm, i0);
+          acc2[m] += lookup(tm + L, i1);
         }
       }
       if (k < kn) {
-        const __m512i i0 = _mm512_srlv_epi32(wv, _mm512_set1_epi32(4 * k));
-        for (int m = 0; m < MB; ++m)
-          acc[m] = _mm512_add_ps(acc[m], _mm512_permutexvar_ps(
-                                             i0, _mm512_loadu_ps(tabs + (m * nib + k0 + k) * L)));
+        const vu i0 = wv >> unsigned(kGroupBits * k);
+        for (int m = 0; m < MB; ++m) acc[m] += lookup(tabs + (m * groups + k0 + k) * L, i0);
       }
     }
-    for (int m = 0; m < MB; ++m)
-      _mm512_storeu_ps(out + (m0 + m) * TP + tb, _mm512_add_ps(acc[m], acc2[m]));
+    for (int m = 0; m < MB; ++m) storef(out + (m0 + m) * TP + tb, acc[m] + acc2[m]);
   }
 }
 
@@ -565,7 +616,7 @@ template <int MB>
 void lut_column_scores(const uint32_t* words, int TP, int J, int bits, const float* w,
                        float* tabs, float* out, int m0) {
   build_tables<MB>(w, J, bits, tabs, m0);
-  lut_scores<MB>(words, J * bits / 4, TP, tabs, out, m0);
+  lut_scores<MB>(words, J * bits / kGroupBits, TP, tabs, out, m0);
 }
 #endif
 
@@ -840,7 +891,7 @@ struct Scratch {
   std::vector<float> meta;      // [4 * D]: metadata of one group as floats
   std::vector<float> extra;     // STP keys: protected scores; KIVI values: per-token scale/zero
   std::vector<float> qn, u;     // [M * D]: normal channels of the queries, A q_N
-  std::vector<float> tabs;       // lookup tables of kMaxMB query vectors [kMaxMB][D / 2][16]
+  std::vector<float> tabs;      // lookup tables of kMaxMB query vectors [kMaxMB][D / 2][L]
   std::vector<int> idx2, idxn, kpos, vpos;
   std::vector<int32_t> rvq_rows;  // RVQ: one group's indices as row offsets [T * n * K]
   std::vector<float> rvq_sd;      // and its tokens' std [T]
@@ -856,20 +907,21 @@ struct Scratch {
 // back to back in the stream at src), for the M query vectors; rows [n, TP) get finite junk
 void code_column_scores(const uint8_t* src, int n, int J, int bits, const float* w, int M,
                         int TP, float* out, Scratch& s) {
-#if defined(LOWBIT_FAST_CODES)
   const int64_t row_bits = int64_t(J) * bits;
+  int W;
+#if defined(LOWBIT_FAST_CODES)
   if (row_bits % 8 == 0 && row_bits / 8 <= kMaxRowBytes) {
-    const int rb = int(row_bits / 8);
-    transpose_rows(src, n, rb, s.words.data(), TP);
-    if (bits <= 2) {
-      LOWBIT_FOR_BLOCKS(M, lut_column_scores, s.words.data(), TP, J, bits, w, s.tabs.data(), out)
-    } else {
-      LOWBIT_FOR_BLOCKS(M, column_scores, s.words.data(), (rb + 3) / 4, TP, J, bits, w, out)
-    }
+    transpose_rows(src, n, int(row_bits / 8), s.words.data(), TP);
+    W = int((row_bits + 31) / 32);
+  } else
+#endif
+    W = repack_rows(src, n, J, bits, s.words.data(), TP);
+#if defined(LOWBIT_LUT)
+  if (lut_pays(bits) && row_bits % kGroupBits == 0) {
+    LOWBIT_FOR_BLOCKS(M, lut_column_scores, s.words.data(), TP, J, bits, w, s.tabs.data(), out)
     return;
   }
 #endif
-  const int W = repack_rows(src, n, J, bits, s.words.data(), TP);
   LOWBIT_FOR_BLOCKS(M, column_scores, s.words.data(), W, TP, J, bits, w, out)
 }
 
