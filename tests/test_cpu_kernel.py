@@ -194,7 +194,8 @@ def test_kernel_matches_reference_random_shapes(scheme, T, blocks_per, heads, n_
 #: readers: rows of key codes byte-aligned (transposed 16 rows at a time by byte permutes
 #: with AVX-512 VBMI) or not (vidkv k=0.4: 26 two-bit and 38 one-bit channels; 8-bit rows
 #: of 128 bytes: repacked); 1-bit (and with AVX-512 2-bit) columns read through lookup
-#: tables, others converted (so is an odd count of each, k=0.4 at 48: 19 and 29);
+#: tables, others converted (so are columns whose bits leave the last table group part
+#: empty, as k=0.4 at 48: 19 two-bit and 29 one-bit channels);
 #: value codes decoded in registers (2, 4, 8 bits; per token, per channel, STP rows);
 #: head_dim of 1 to 4 vectors per channel block; groups of 16 to 48 tokens, not all
 #: multiples of 16 (the last row block part empty)

@@ -394,24 +394,31 @@ void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const fl
 #endif
 #endif
 
+// rows [0, n) of W whole words -> words[w * TP + i]
+template <int W>
+void whole_word_rows(const uint8_t* src, int n, uint32_t* words, int TP) {
+  for (int i = 0; i < n; ++i) {
+    uint32_t row[W];
+    std::memcpy(row, src + 4 * W * int64_t(i), 4 * W);
+    for (int w = 0; w < W; ++w) words[w * TP + i] = row[w];
+  }
+}
+
 // Rows [0, n) of J b-bit codes (rows back to back in the stream) -> W = ceil(J b / 32)
 // words per row, word-major: words[w * TP + i]; rows [n, TP) are zero.
 int repack_rows(const uint8_t* src, int n, int J, int bits, uint32_t* words, int TP) {
   const int64_t row_bits = int64_t(J) * bits, bytes = (n * row_bits + 7) / 8;
   const int W = int((row_bits + 31) / 32);
-  if (W == 1 && row_bits == 32) {  // one word a row: already in place
-    std::memcpy(words, src, size_t(4) * n);
-  } else if (W == 2 && row_bits == 64) {  // two: even and odd words apart (vectorized)
-    for (int i = 0; i < n; ++i) {
-      uint32_t pair[2];
-      std::memcpy(pair, src + 8 * int64_t(i), 8);
-      words[i] = pair[0];
-      words[TP + i] = pair[1];
+  if (row_bits % 32 == 0) {  // rows are whole words: a transpose
+    switch (W) {  // fixed widths, vectorized
+      case 1: whole_word_rows<1>(src, n, words, TP); break;
+      case 2: whole_word_rows<2>(src, n, words, TP); break;
+      case 4: whole_word_rows<4>(src, n, words, TP); break;
+      default:
+        for (int i = 0; i < n; ++i)
+          for (int w = 0; w < W; ++w)
+            std::memcpy(&words[w * TP + i], src + 4 * (int64_t(i) * W + w), 4);
     }
-  } else if (row_bits % 32 == 0) {  // rows are whole words: a transpose
-    for (int i = 0; i < n; ++i)
-      for (int w = 0; w < W; ++w)
-        std::memcpy(&words[w * TP + i], src + 4 * (int64_t(i) * W + w), 4);
   } else {
     for (int i = 0; i < n; ++i)
       for (int w = 0; w < W; ++w) {
@@ -543,12 +550,12 @@ void transpose_rows(const uint8_t* src, int n, int rb, uint32_t* words, int TP) 
 // lookup tables: per query vector and per group of G bits of a row a table of the partial
 // dot product for every bit pattern (the per-channel weights folded in), looked up for L rows
 // at once by one permute that reads only the low bits of each lane (so a lane is just
-// shifted, never masked). AVX-512: G = 4 (16 entries, vpermps), for 1- and 2-bit codes;
-// AVX2: G = 2 (4 entries repeated in both 128-bit halves, vpermilps: an in-lane permute,
-// where AVX2's cross-lane vpermps is slow on Zen 3), for 1-bit codes only, as 2-bit codes
-// are read faster by multiply-adds than by a lookup each.
+// shifted, never masked), where a group holds two codes or more. AVX-512: G = 4 (16
+// entries, vpermps), 1- and 2-bit codes; AVX2: G = 2 (4 entries repeated in both 128-bit
+// halves, vpermilps: an in-lane permute, where AVX2's cross-lane vpermps made 4-bit groups
+// slower than multiply-adds on Zen 3), 1-bit codes.
 constexpr int kGroupBits = L == 16 ? 4 : 2;
-inline bool lut_pays(int bits) { return 2 * bits <= kGroupBits; }
+inline bool lut_reads(int bits) { return 2 * bits <= kGroupBits; }
 
 // table[idx mod 2^G] in every lane (a table is one vector)
 inline vf lookup(const float* table, vu idx) {
@@ -622,7 +629,8 @@ void lut_column_scores(const uint32_t* words, int TP, int J, int bits, const flo
 
 // acc_w[m * D + c] = sum_i p[m * TP + pos[i]] x[i * D + c] for MB query vectors from m0,
 // psum[m] = sum_i p[m * TP + pos[i]]; vectorized over L channels, sums in registers.
-// x is a row source: row(i, c) gives channels [c, c + L) of row i as floats.
+// x is a row source: row(i, c) gives channels [c, c + L) of row i as floats, rows2(i, c, out)
+// channels [c, c + 2 L) as two vectors (for some sources fewer instructions than two rows).
 inline vf load_row(const float* x) { return loadf(x); }
 // L int8 -> floats (GCC's generic conversion of byte vectors is scalarized)
 inline vf load_row(const int8_t* x) {
@@ -648,6 +656,10 @@ struct DenseRows {  // rows of D floats or int8
   const X* x;
   int D;
   vf row(int i, int c) const { return load_row(x + int64_t(i) * D + c); }
+  void rows2(int i, int c, vf* out) const {
+    out[0] = row(i, c);
+    out[1] = row(i, c + L);
+  }
 };
 
 // rows of D b-bit codes (b = 2, 4, 8), rows back to back: decoded L at a time in registers
@@ -717,6 +729,25 @@ struct CodeRows {
     return out;
 #endif
   }
+  void rows2(int i, int c, vf* out) const {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    if constexpr (BITS == 2) {  // 16 codes: lane l takes codes l and 8 + l by one shift
+      uint32_t w;
+      std::memcpy(&w, codes + int64_t(i) * row_bytes + c / 4, 4);
+      const __m256i v = _mm256_and_si256(
+          _mm256_srlv_epi32(_mm256_set1_epi32(int(w)),
+                            _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+          _mm256_set1_epi32(0x30003));
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(3)));
+      const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 16));
+      out[0] = vf(lo);
+      out[1] = vf(hi);
+      return;
+    }
+#endif
+    out[0] = row(i, c);
+    out[1] = row(i, c + L);
+  }
 };
 
 // channels [c0, c0 + NV * L): each probability is loaded once per block
@@ -726,7 +757,8 @@ void row_sums_block(const X& x, const int* pos, int rows, const float* p, int TP
   vf acc[MB][NV] = {};
   for (int i = 0; i < rows; ++i) {
     vf xv[NV];
-    for (int v = 0; v < NV; ++v) xv[v] = x.row(i, c0 + v * L);
+    for (int v = 0; v + 1 < NV; v += 2) x.rows2(i, c0 + v * L, xv + v);
+    if (NV % 2) xv[NV - 1] = x.row(i, c0 + (NV - 1) * L);
     const int at = pos[i];
     for (int m = 0; m < MB; ++m) {
       const float pm = p[(m0 + m) * TP + at];
@@ -891,7 +923,7 @@ struct Scratch {
   std::vector<float> meta;      // [4 * D]: metadata of one group as floats
   std::vector<float> extra;     // STP keys: protected scores; KIVI values: per-token scale/zero
   std::vector<float> qn, u;     // [M * D]: normal channels of the queries, A q_N
-  std::vector<float> tabs;      // lookup tables of kMaxMB query vectors [kMaxMB][D / 2][L]
+  std::vector<float> tabs;      // lookup tables of kMaxMB query vectors [kMaxMB][<= D][L]
   std::vector<int> idx2, idxn, kpos, vpos;
   std::vector<int32_t> rvq_rows;  // RVQ: one group's indices as row offsets [T * n * K]
   std::vector<float> rvq_sd;      // and its tokens' std [T]
@@ -899,7 +931,7 @@ struct Scratch {
       : words(size_t(f.D / 4 + 1) * f.TP), x(size_t(f.TP) * f.D + 2 * L), ss(size_t(M) * f.TP),
         w(size_t(M) * f.D + L), w1(size_t(M) * f.D + L), cst(M), psum(M),
         meta(4 * size_t(f.D)), qn(size_t(M) * f.D + L), u(size_t(M) * f.D + L),
-        tabs(size_t(kMaxMB) * (f.D / 2) * L), idx2(f.D), idxn(f.D), kpos(f.T + L),
+        tabs(size_t(kMaxMB) * f.D * L), idx2(f.D), idxn(f.D), kpos(f.T + L),
         vpos(f.T + L), rvq_rows(rvq_indices_per_group(f)), rvq_sd(rvq_rows.empty() ? 0 : f.T) {}
 };
 
@@ -917,7 +949,7 @@ void code_column_scores(const uint8_t* src, int n, int J, int bits, const float*
 #endif
     W = repack_rows(src, n, J, bits, s.words.data(), TP);
 #if defined(LOWBIT_LUT)
-  if (lut_pays(bits) && row_bits % kGroupBits == 0) {
+  if (lut_reads(bits) && row_bits % kGroupBits == 0) {
     LOWBIT_FOR_BLOCKS(M, lut_column_scores, s.words.data(), TP, J, bits, w, s.tabs.data(), out)
     return;
   }
