@@ -1,8 +1,9 @@
 // Rows of the model's dtypes (float32, bfloat16, float16) and of int8 codes to float32 and
-// back, for the kernels that read or write tensors of any of them (exact_decode.cpp,
-// staging.cpp).
+// back, and tensors addressed by byte strides, for the kernels that read or write tensors
+// of any of them (exact_decode.cpp, staging.cpp).
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -58,6 +59,31 @@ inline void narrow(const float* x, int64_t D, at::ScalarType t, void* p) {
     }
   }
 }
+
+// A tensor's data pointer, strides in bytes (up to 4 dims) and dtype, read once: at::Tensor's
+// accessors per row (a call and a dimension check each) cost more than the work on the row.
+// An empty tensor has no base. Byte: const uint8_t to read, uint8_t to write.
+template <typename Byte>
+struct StridedView {
+  Byte* base = nullptr;
+  int64_t stride[4] = {};
+  at::ScalarType dtype = at::kFloat;
+  explicit StridedView(const at::Tensor& t) {
+    if (!t.numel()) return;
+    base = static_cast<Byte*>(t.data_ptr());
+    for (int64_t i = 0; i < t.dim() && i < 4; ++i) stride[i] = t.stride(i) * t.element_size();
+    dtype = t.scalar_type();
+  }
+  Byte* at(int64_t a, int64_t b, int64_t c = 0, int64_t d = 0) const {
+    return base + a * stride[0] + b * stride[1] + c * stride[2] + d * stride[3];
+  }
+  // row [D] at the given leading indices, widened (times `scale` for int8 codes)
+  void row(int64_t a, int64_t b, int64_t c, int64_t d, int64_t D, float scale, float* dst) const {
+    widen(dtype, at(a, b, c, d), D, scale, dst);
+  }
+};
+using View = StridedView<const uint8_t>;
+using MutableView = StridedView<uint8_t>;
 
 }  // namespace
 }  // namespace lowbit_kv

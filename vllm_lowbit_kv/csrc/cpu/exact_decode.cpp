@@ -30,27 +30,6 @@ namespace {
 
 constexpr float kNoKey = -std::numeric_limits<float>::infinity();
 
-// A tensor's data pointer, strides in bytes and dtype, read once: at::Tensor's accessors
-// per row (a call and a dimension check each) cost more than the attention itself.
-struct View {
-  const uint8_t* base = nullptr;
-  int64_t stride[5] = {};
-  at::ScalarType dtype = at::kFloat;
-  explicit View(const at::Tensor& t) {
-    if (!t.numel()) return;
-    base = static_cast<const uint8_t*>(t.data_ptr());
-    for (int64_t i = 0; i < t.dim() && i < 5; ++i) stride[i] = t.stride(i) * t.element_size();
-    dtype = t.scalar_type();
-  }
-  const uint8_t* at(int64_t a, int64_t b, int64_t c = 0, int64_t d = 0) const {
-    return base + a * stride[0] + b * stride[1] + c * stride[2] + d * stride[3];
-  }
-  // row [D] at the given leading indices, widened (times `scale` for int8 codes)
-  void row(int64_t a, int64_t b, int64_t c, int64_t d, int64_t D, float scale, float* dst) const {
-    widen(dtype, at(a, b, c, d), D, scale, dst);
-  }
-};
-
 struct Staged {  // one staged tensor [S, T, H, D] and its scales [S, T, H, 1] (int8) or none
   View data, scale;
   // token `off` of slot `slot`, KV head h -> dst [D]

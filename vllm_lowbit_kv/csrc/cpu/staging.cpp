@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "dtypes.h"
@@ -46,21 +47,14 @@ void stage_rows(const at::Tensor& x, const at::Tensor& tok, const at::Tensor& sl
     TORCH_CHECK(tp[i] >= 0 && tp[i] < x.size(0) && sp[i] >= 0 && sp[i] < data.size(0) &&
                     op[i] >= 0 && op[i] < data.size(1),
                 "staged token ", i, ": row, slot or offset out of range");
-  const uint8_t* xb = static_cast<const uint8_t*>(x.data_ptr());
-  uint8_t* db = static_cast<uint8_t*>(data.data_ptr());
-  const int64_t xs0 = x.stride(0) * x.element_size(), xs1 = x.stride(1) * x.element_size();
-  const int64_t ds0 = data.stride(0) * data.element_size(),
-                ds1 = data.stride(1) * data.element_size(),
-                ds2 = data.stride(2) * data.element_size();
-  float* sb = int8 ? scale.data_ptr<float>() : nullptr;
-  const int64_t ss0 = int8 ? scale.stride(0) : 0, ss1 = int8 ? scale.stride(1) : 0,
-                ss2 = int8 ? scale.stride(2) : 0;
+  const View xv(x);
+  const MutableView dv(data), sv(int8 ? scale : at::Tensor());
   at::parallel_for(0, m * H, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> row(static_cast<size_t>(D));
     for (int64_t it = begin; it < end; ++it) {
       const int64_t i = it / H, h = it % H;
-      uint8_t* dst = db + sp[i] * ds0 + op[i] * ds1 + h * ds2;
-      widen(xt, xb + tp[i] * xs0 + h * xs1, D, 1.f, row.data());
+      uint8_t* dst = dv.at(sp[i], op[i], h);
+      xv.row(tp[i], h, 0, 0, D, 1.f, row.data());
       if (!int8) {
         narrow(row.data(), D, dt, dst);
         continue;
@@ -72,7 +66,7 @@ void stage_rows(const at::Tensor& x, const at::Tensor& tok, const at::Tensor& sl
       int8_t* codes = reinterpret_cast<int8_t*>(dst);
       for (int64_t c = 0; c < D; ++c)
         codes[c] = int8_t(std::clamp(std::nearbyint(row[c] / s), -127.f, 127.f));
-      sb[sp[i] * ss0 + op[i] * ss1 + h * ss2] = s;
+      std::memcpy(sv.at(sp[i], op[i], h), &s, sizeof s);
     }
   });
 }
