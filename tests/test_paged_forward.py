@@ -30,16 +30,18 @@ def model_dir():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme,chunk,rel", [("vidkv", 160, 1e-4), ("kivi2", 256, 1e-5)])
+@pytest.mark.parametrize("scheme,chunk,rel", [("vidkv", 160, 7e-4), ("kivi2", 256, 1e-5)])
 def test_paged_path_equals_the_transformers_cache(model_dir, scheme, chunk, rel):
     """Pages, staging, window, sinks, retrieval heads and rotation read as hf_cache reads
     its blocks: the two engines' perplexities agree (768 tokens in chunks: later chunks
     read pages). In float32, so that the engines' arithmetic differs only in summation
     order and where the rotation is applied (query vs keys): kivi2's 256-token chunks
     measured 1e-6 and below. vidkv's 160-token chunks leave partial 128-token groups in
-    its int8 staging between chunks: measured 8e-5 apart (3e-5 with model-dtype
-    staging), a summation order putting a code on the other side of its threshold;
-    int8 staging itself moves perplexity by 1.3e-3, so a side that did not round fails.
+    its int8 staging between chunks: measured 8e-5 apart on an AVX-512 CPU (3e-5 with
+    model-dtype staging), 1.4e-4 to 4.2e-4 on an AVX2 one (Zen 3: three runs, two
+    builds, one under xdist; the transformers side moved too), a summation order putting
+    a code on the other side of its threshold; int8 staging itself moves perplexity by
+    1.3e-3, so a side that did not round still fails.
     (Sink rows kept in bf16 beside float32 activations moved vidkv's by 0.1%: the pages
     hold sinks in the model dtype.) In bf16 the two attention paths alone move
     perplexity by about 1%."""
