@@ -327,13 +327,14 @@ struct TritAvx2 {
       }
   }
 };
+static const TritAvx2 kTrits;
 
 // channels [16 h, 16 h + 16) of the 32 trits from digit r of the broadcast bytes, as two
 // vectors of 8 floats, each 2 trit
-inline void trits16_avx2(__m256i raw, int r, int h, const TritAvx2& c, __m256* x) {
-  const __m256i digit =
-      _mm256_mulhi_epu16(_mm256_mullo_epi16(_mm256_shuffle_epi8(raw, c.shuf[r][h]), c.mul[r][h]),
-                         _mm256_set1_epi16(3));
+inline void trits16_avx2(__m256i raw, int r, int h, __m256* x) {
+  const __m256i digit = _mm256_mulhi_epu16(
+      _mm256_mullo_epi16(_mm256_shuffle_epi8(raw, kTrits.shuf[r][h]), kTrits.mul[r][h]),
+      _mm256_set1_epi16(3));
   const __m256i bf =
       _mm256_sub_epi16(_mm256_slli_epi16(digit, 14), _mm256_set1_epi16(0x4000));
   x[0] = _mm256_castsi256_ps(_mm256_slli_epi32(bf, 16));
@@ -345,7 +346,6 @@ inline void trits16_avx2(__m256i raw, int r, int h, const TritAvx2& c, __m256* x
 template <int MB, int H>
 void ternary_pass(const uint8_t* src, int n, int D, const int* pos, const float* p, int TP,
                   float* acc_w, int m0, int c0) {
-  static const TritAvx2 c;
   const int64_t bytes = (int64_t(n) * D + 4) / 5;
   alignas(16) uint8_t tail[16] = {};
   __m256 acc[MB][2 * H];
@@ -361,7 +361,7 @@ void ternary_pass(const uint8_t* src, int n, int D, const int* pos, const float*
     }
     const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)window));
     __m256 x[2 * H];
-    for (int h = 0; h < H; ++h) trits16_avx2(raw, r, h, c, x + 2 * h);
+    for (int h = 0; h < H; ++h) trits16_avx2(raw, r, h, x + 2 * h);
     const int at = pos[i];
     for (int m = 0; m < MB; ++m) {
       const __m256 pm = _mm256_set1_ps(p[(m0 + m) * TP + at]);
@@ -960,21 +960,26 @@ struct Scratch {
         vpos(f.T + L), rvq_rows(rvq_indices_per_group(f)), rvq_sd(rvq_rows.empty() ? 0 : f.T) {}
 };
 
+// Rows [0, n) of J b-bit codes (rows back to back in the stream) -> words[w * TP + i];
+// returns W, the words per row
+int code_words(const uint8_t* src, int n, int J, int bits, uint32_t* words, int TP) {
+  const int64_t row_bits = int64_t(J) * bits;
+#if defined(LOWBIT_FAST_CODES)
+  if (row_bits % 8 == 0 && row_bits / 8 <= kMaxRowBytes) {
+    transpose_rows(src, n, int(row_bits / 8), words, TP);
+    return int((row_bits + 31) / 32);
+  }
+#endif
+  return repack_rows(src, n, J, bits, words, TP);
+}
+
 // out[m * TP + i] += sum_j w[m * J + j] code(i, j) over rows [0, n) of J b-bit codes (rows
 // back to back in the stream at src), for the M query vectors; rows [n, TP) get finite junk
 void code_column_scores(const uint8_t* src, int n, int J, int bits, const float* w, int M,
                         int TP, float* out, Scratch& s) {
-  const int64_t row_bits = int64_t(J) * bits;
-  int W;
-#if defined(LOWBIT_FAST_CODES)
-  if (row_bits % 8 == 0 && row_bits / 8 <= kMaxRowBytes) {
-    transpose_rows(src, n, int(row_bits / 8), s.words.data(), TP);
-    W = int((row_bits + 31) / 32);
-  } else
-#endif
-    W = repack_rows(src, n, J, bits, s.words.data(), TP);
+  const int W = code_words(src, n, J, bits, s.words.data(), TP);
 #if defined(LOWBIT_LUT)
-  if (lut_reads(bits) && row_bits % kGroupBits == 0) {
+  if (lut_reads(bits) && int64_t(J) * bits % kGroupBits == 0) {
     LOWBIT_FOR_BLOCKS(M, lut_column_scores, s.words.data(), TP, J, bits, w, s.tabs.data(), out)
     return;
   }
