@@ -110,12 +110,52 @@ inline void halves_to_float(const uint8_t* src, int n, float* dst) {
 }
 
 inline bool bit_at(const uint8_t* p, int i) { return (p[i >> 3] >> (i & 7)) & 1; }
-// bits [c0, c0 + 16) of a bit mask (c0 a multiple of 16)
-inline uint16_t mask16(const uint8_t* p, int c0) {
-  uint16_t m;
-  std::memcpy(&m, p + c0 / 8, 2);
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define LOWBIT_COMPRESS 1
+constexpr uint32_t kAllLanes = (1u << L) - 1;
+// bits [c0, c0 + L) of a bit mask of at least c0 + L bits (c0 a multiple of L)
+inline uint32_t lane_bits(const uint8_t* p, int c0) {
+  uint32_t m = 0;
+  std::memcpy(&m, p + c0 / 8, L / 8);
   return m;
 }
+
+#if !defined(__AVX512F__)
+// per 8-bit mask: its set lanes in order, then the others (AVX2 has no compress)
+struct CompressTable {
+  alignas(32) int32_t lanes[256][8];
+  CompressTable() {
+    for (int k = 0; k < 256; ++k) {
+      int n = 0;
+      for (int set = 1; set >= 0; --set)
+        for (int l = 0; l < 8; ++l)
+          if (((k >> l) & 1) == set) lanes[k][n++] = l;
+    }
+  }
+};
+inline __m256i compress_lanes(uint32_t k) {
+  static const CompressTable t;
+  return _mm256_load_si256((const __m256i*)t.lanes[k & 0xFF]);
+}
+#endif
+
+// the lanes of v whose bit in k is set, in order, first (the lanes after them: anything)
+inline vi compress(vi v, uint32_t k) {
+#if defined(__AVX512F__)
+  return vi(_mm512_maskz_compress_epi32(__mmask16(k), __m512i(v)));
+#else
+  return vi(_mm256_permutevar8x32_epi32(__m256i(v), compress_lanes(k)));
+#endif
+}
+inline vf compress(vf v, uint32_t k) {
+#if defined(__AVX512F__)
+  return vf(_mm512_maskz_compress_ps(__mmask16(k), __m512(v)));
+#else
+  return vf(_mm256_permutevar8x32_ps(__m256(v), compress_lanes(k)));
+#endif
+}
+#endif
 
 // Flat b-bit codes [0, count) of a stream of `bytes` bytes (little-end first) -> floats.
 // dst holds round_up(count) floats (the tail lanes get whatever codes follow, or 0).
@@ -891,20 +931,18 @@ void stp_positions(const uint8_t* tok_mask, int T, int n_protect, int* pos) {
   if (T % 8) ip += __builtin_popcount(tok_mask[T / 8] & ((1u << (T % 8)) - 1));
   TORCH_CHECK(ip == n_protect, "lowbit-kv: tok_mask has ", ip, " bits set, not ", n_protect,
               " (corrupt page?)");
-#if defined(LOWBIT_FAST_CODES)
-  // 16 tokens at a time by compressing their indices; pos holds T + 16 (a store writes 16
+#if defined(LOWBIT_COMPRESS)
+  // L tokens at a time by compressing their indices; pos holds T + L (a store writes L
   // lanes): the protected ones first, then the rest, each pass overwriting the spill of
   // the one before
   for (int pass = 0, at = 0; pass < 2; ++pass)
     for (int t0 = 0; t0 < T; t0 += L) {
       uint32_t bits = 0;
-      std::memcpy(&bits, tok_mask + t0 / 8, size_t(std::min(4, (T - t0 + 7) / 8)));
-      const __mmask16 valid = T - t0 >= L ? __mmask16(0xFFFF) : __mmask16((1u << (T - t0)) - 1);
-      const __mmask16 k = __mmask16(pass ? ~bits : bits) & valid;
-      const __m512i idx = _mm512_add_epi32(
-          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-          _mm512_set1_epi32(t0));
-      _mm512_storeu_si512(pos + at, _mm512_maskz_compress_epi32(k, idx));
+      std::memcpy(&bits, tok_mask + t0 / 8, size_t(std::min(L / 8, (T - t0 + 7) / 8)));
+      const uint32_t valid = T - t0 >= L ? kAllLanes : (1u << (T - t0)) - 1;
+      const uint32_t k = (pass ? ~bits : bits) & valid;
+      const vi idx = compress(iota() + t0, k);
+      std::memcpy(pos + at, &idx, sizeof idx);
       at += __builtin_popcount(k);
     }
   return;
@@ -1131,8 +1169,8 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
   // low tokens: 2-bit channels (chan_mask set) and 1-bit (FFT) components
   const uint8_t* cmask = st + d[VK_CHAN_MASK];
   int j2 = 0;
-#if defined(LOWBIT_FAST_CODES)
-  for (int c0 = 0; c0 < D; c0 += L) j2 += __builtin_popcount(mask16(cmask, c0));
+#if defined(LOWBIT_COMPRESS)
+  for (int c0 = 0; c0 < D; c0 += L) j2 += __builtin_popcount(lane_bits(cmask, c0));
 #else
   int jn = 0;
   for (int c = 0; c < D; ++c) {  // branch-free: the mask bits are random
@@ -1161,16 +1199,16 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
   for (int m = 0; m < M; ++m) {
     const float* qm = q + m * D;
     float* w2m = w2 + m * n2;
-#if defined(LOWBIT_FAST_CODES)
-    // compress the query's channels by the mask (16-lane stores: the buffers have slack,
-    // and the spill past one vector's share is overwritten by the next)
+#if defined(LOWBIT_COMPRESS)
+    // compress the query's channels by the mask (whole-vector stores: the buffers have
+    // slack, and the spill past one vector's share is overwritten by the next)
     for (int c0 = 0, a = 0, b = 0; c0 < D; c0 += L) {
-      const __mmask16 k = mask16(cmask, c0);
-      const __m512 v = _mm512_loadu_ps(qm + c0);
-      _mm512_storeu_ps(w2m + a, _mm512_maskz_compress_ps(k, v));
-      _mm512_storeu_ps(qn + m * n1 + b, _mm512_maskz_compress_ps(__mmask16(~k), v));
+      const uint32_t k = lane_bits(cmask, c0), rest = ~k & kAllLanes;
+      const vf v = loadf(qm + c0);
+      storef(w2m + a, compress(v, k));
+      storef(qn + m * n1 + b, compress(v, rest));
       a += __builtin_popcount(k);
-      b += L - __builtin_popcount(k);
+      b += __builtin_popcount(rest);
     }
 #else
     for (int j = 0; j < n2; ++j) w2m[j] = qm[s.idx2[j]];
