@@ -4,6 +4,9 @@
 // state, in the order of the enums below (value offsets count from the value bytes).
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
 namespace lowbit_kv {
 
 enum Geometry { G_T, G_D, G_H, G_N, G_SINK_BYTES, G_STATE_BYTES, G_K_BYTES, G_COUNT };
@@ -28,5 +31,10 @@ enum TernVal {
 // KEY_RVQ / VAL_RVQ: kind, codebooks K, codebook size C, index bits, group size d^,
 // strided (1: channel j * n + g of group g; 0: g * d^ + j), codes, std
 enum Rvq { RV_K = 1, RV_C, RV_BITS, RV_GROUP, RV_STRIDED, RV_CODES, RV_STD, RV_COUNT };
+
+// whether a codec's descriptor (the keys' with `keys`, else the values') is RVQ's
+inline bool is_rvq(const std::vector<int64_t>& desc, bool keys) {
+  return desc[0] == (keys ? int64_t(KEY_RVQ) : int64_t(VAL_RVQ));
+}
 
 }  // namespace lowbit_kv

@@ -686,7 +686,7 @@ bool encode_states(const at::Tensor& key, const at::Tensor& value,
   RvqBooks key_books, value_books;
   int64_t book_floats = 0, search_floats = 0, pair_words = 0;
   for (const auto* desc : {&key_desc, &value_desc})
-    if ((*desc)[0] == (desc == &key_desc ? KEY_RVQ : VAL_RVQ)) {
+    if (is_rvq(*desc, desc == &key_desc)) {
       TORCH_CHECK((*desc).at(RV_C) % kLanes == 0 && D % (*desc)[RV_GROUP] == 0,
                   "RVQ: codebook size a multiple of 16, group size a divisor of D");
       book_floats += (*desc)[RV_K] * (*desc)[RV_C] * (*desc)[RV_GROUP];

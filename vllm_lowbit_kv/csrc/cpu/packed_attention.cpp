@@ -134,9 +134,9 @@ struct CompressTable {
     }
   }
 };
+static const CompressTable kCompress;
 inline __m256i compress_lanes(uint32_t k) {
-  static const CompressTable t;
-  return _mm256_load_si256((const __m256i*)t.lanes[k & 0xFF]);
+  return _mm256_load_si256((const __m256i*)kCompress.lanes[k & 0xFF]);
 }
 #endif
 
@@ -197,28 +197,31 @@ void decode_codes(const uint8_t* src, int64_t bytes, int64_t count, int bits, fl
   }
 }
 
+// Digit d of a byte b of five trits, in 16-bit lanes: ((b kTritMul[d] mod 2^16) 3) >> 16,
+// kTritMul[d] = ceil(2^16 / 3^(d + 1)) (exact for every b < 243: the fraction of
+// b / 3^(d + 1), times 3, floored)
+constexpr int kTritMul[5] = {21846, 7282, 2428, 810, 270};
+
 #if defined(__AVX512BW__) && defined(__AVX512VBMI__)
 // 64 bytes hold 320 trits; output vector j (trits 64j .. 64j + 63) takes lane l from byte
-// (64j + l) / 5, digit (64j + l) % 5: one byte permute, then in 16-bit lanes
-// digit d of byte b = ((b * ceil(2^16 / 3^(d + 1)) mod 2^16) * 3) >> 16 (exact for every
-// b < 243: the fraction of b / 3^(d + 1), times 3, floored).
+// (64j + l) / 5, digit (64j + l) % 5: one byte permute, then the digits by kTritMul.
 struct TritSimd {
   __m512i perm[5], mul[5][2];
   TritSimd() {
-    static const int kMul[5] = {21846, 7282, 2428, 810, 270};
     alignas(64) uint8_t p[64];
     alignas(64) uint16_t m[2][32];
     for (int j = 0; j < 5; ++j) {
       for (int l = 0; l < 64; ++l) {
         const int t = 64 * j + l, digit = t % 5;
         p[l] = uint8_t(t / 5);
-        m[l / 32][l % 32] = uint16_t(kMul[digit]);
+        m[l / 32][l % 32] = uint16_t(kTritMul[digit]);
       }
       perm[j] = _mm512_load_si512(p);
       for (int h = 0; h < 2; ++h) mul[j][h] = _mm512_load_si512(m[h]);
     }
   }
 };
+static const TritSimd kTritSimd;
 
 inline __m512i trits16(__m512i bytes16, __m512i mul) {
   const __m512i frac = _mm512_mullo_epi16(bytes16, mul);
@@ -227,18 +230,18 @@ inline __m512i trits16(__m512i bytes16, __m512i mul) {
 
 // n trits -> int8 in {-1, 0, 1}; dst holds round_up(n, 64) bytes
 inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
-  static const TritSimd c;
   const int bytes = (n + 4) / 5;
   for (int b0 = 0; b0 < bytes; b0 += 64) {
     const __m512i v = b0 + 64 <= bytes
                           ? _mm512_loadu_si512(src + b0)
                           : _mm512_maskz_loadu_epi8((1ull << (bytes - b0)) - 1, src + b0);
     for (int j = 0; j < 5 && 5 * b0 + 64 * j < n; ++j) {
-      const __m512i g = _mm512_permutexvar_epi8(c.perm[j], v);
+      const __m512i g = _mm512_permutexvar_epi8(kTritSimd.perm[j], v);
+      const __m512i* mul = kTritSimd.mul[j];
       const __m256i lo = _mm512_cvtepi16_epi8(
-          trits16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(g)), c.mul[j][0]));
+          trits16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(g)), mul[0]));
       const __m256i hi = _mm512_cvtepi16_epi8(
-          trits16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(g, 1)), c.mul[j][1]));
+          trits16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(g, 1)), mul[1]));
       _mm512_storeu_si512(dst + 5 * b0 + 64 * j,
                           _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
     }
@@ -253,7 +256,6 @@ inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
 struct TritLanes {
   __m512i perm[5][2], mul[5][2];
   TritLanes() {
-    static const int kMul[5] = {21846, 7282, 2428, 810, 270};
     for (int j = 0; j < 5; ++j)
       for (int h = 0; h < 2; ++h) {
         alignas(64) uint8_t p[64] = {};
@@ -261,13 +263,14 @@ struct TritLanes {
         for (int k = 0; k < 32; ++k) {
           const int t = 64 * j + 32 * h + (k % 2 ? 16 : 0) + k / 2;
           p[2 * k] = uint8_t(t / 5);
-          m[k] = uint16_t(kMul[t % 5]);
+          m[k] = uint16_t(kTritMul[t % 5]);
         }
         perm[j][h] = _mm512_load_si512(p);
         mul[j][h] = _mm512_load_si512(m);
       }
   }
 };
+static const TritLanes kTritLanes;
 
 // acc_w[m * D + c] = sum_i p[m * TP + pos[i]] trit(i, c) for MB query vectors from m0, over
 // rows [0, n) of D trits (D a multiple of 64), decoded in registers: 64 bytes hold 320
@@ -277,7 +280,6 @@ struct TritLanes {
 template <int MB>
 void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const float* p, int TP,
                       float* acc_w, int m0) {
-  static const TritLanes c;
   const __mmask64 even_bytes = 0x5555555555555555ull;
   const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
   const int64_t bytes = (int64_t(n) * D + 4) / 5;
@@ -294,9 +296,9 @@ void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const fl
                               : _mm512_maskz_loadu_epi8((1ull << (bytes - b0)) - 1, src + b0);
       __m512 x[4];
       for (int h = 0; h < 2; ++h) {
-        const __m512i bf = _mm512_slli_epi16(
-            trits16(_mm512_maskz_permutexvar_epi8(even_bytes, c.perm[j][h], raw), c.mul[j][h]),
-            14);
+        const __m512i bytes16 =
+            _mm512_maskz_permutexvar_epi8(even_bytes, kTritLanes.perm[j][h], raw);
+        const __m512i bf = _mm512_slli_epi16(trits16(bytes16, kTritLanes.mul[j][h]), 14);
         x[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(bf, 16));
         x[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(bf, top));
       }
@@ -328,15 +330,11 @@ struct TritTable {
     }
   }
 };
-const TritTable& trit_table() {
-  static const TritTable table;
-  return table;
-}
+static const TritTable kTritTable;
 
 // n trits -> int8 in {-1, 0, 1}; dst holds n + 8 bytes
 inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
-  const TritTable& t = trit_table();
-  for (int i = 0; i < (n + 4) / 5; ++i) std::memcpy(dst + 5 * i, t.v[src[i]], 8);
+  for (int i = 0; i < (n + 4) / 5; ++i) std::memcpy(dst + 5 * i, kTritTable.v[src[i]], 8);
 }
 
 #if defined(__AVX2__)
@@ -345,13 +343,12 @@ inline void decode_trits(const uint8_t* src, int n, int8_t* dst) {
 // (row D + c) / 5 and lie in the next 8 bytes: one 16-byte load broadcast to both halves,
 // then lane k of half h takes byte (r + ch) / 5, digit (r + ch) % 5 of channel
 // ch = 16 h + k / 2 (k even) or 16 h + 8 + k / 2 (k odd) (a shuffle/multiplier pair per r
-// and h), the digit by TritSimd's multiply. As in TritLanes, a trit t is read as the float
+// and h), the digit by kTritMul. As in TritLanes, a trit t is read as the float
 // 2t: bf16 bits (digit - 1) << 14 in every 16-bit lane, turned into two vectors of 8
 // channels in order by one shift and one mask.
 struct TritAvx2 {
   __m256i shuf[5][2], mul[5][2];
   TritAvx2() {
-    static const int kMul[5] = {21846, 7282, 2428, 810, 270};
     alignas(32) uint8_t b[32];
     alignas(32) uint16_t m[16];
     for (int r = 0; r < 5; ++r)
@@ -360,20 +357,20 @@ struct TritAvx2 {
           const int ch = 16 * h + (k % 2 ? 8 + k / 2 : k / 2);
           b[2 * k] = uint8_t((r + ch) / 5);
           b[2 * k + 1] = 0x80;  // zero high byte
-          m[k] = uint16_t(kMul[(r + ch) % 5]);
+          m[k] = uint16_t(kTritMul[(r + ch) % 5]);
         }
         shuf[r][h] = _mm256_load_si256((const __m256i*)b);
         mul[r][h] = _mm256_load_si256((const __m256i*)m);
       }
   }
 };
-static const TritAvx2 kTrits;
+static const TritAvx2 kTritAvx2;
 
 // channels [16 h, 16 h + 16) of the 32 trits from digit r of the broadcast bytes, as two
 // vectors of 8 floats, each 2 trit
 inline void trits16_avx2(__m256i raw, int r, int h, __m256* x) {
   const __m256i digit = _mm256_mulhi_epu16(
-      _mm256_mullo_epi16(_mm256_shuffle_epi8(raw, kTrits.shuf[r][h]), kTrits.mul[r][h]),
+      _mm256_mullo_epi16(_mm256_shuffle_epi8(raw, kTritAvx2.shuf[r][h]), kTritAvx2.mul[r][h]),
       _mm256_set1_epi16(3));
   const __m256i bf =
       _mm256_sub_epi16(_mm256_slli_epi16(digit, 14), _mm256_set1_epi16(0x4000));
@@ -972,7 +969,7 @@ struct Format {
 size_t rvq_indices_per_group(const Format& f) {
   size_t most = 0;
   for (const std::vector<int64_t>* d : {&f.key, &f.val})
-    if ((*d)[0] == (d == &f.key ? KEY_RVQ : VAL_RVQ))
+    if (is_rvq(*d, d == &f.key))
       most = std::max(most, size_t(f.T) * (f.D / (*d)[RV_GROUP]) * (*d)[RV_K]);
   return most;
 }
@@ -1001,8 +998,8 @@ struct Scratch {
 // Rows [0, n) of J b-bit codes (rows back to back in the stream) -> words[w * TP + i];
 // returns W, the words per row
 int code_words(const uint8_t* src, int n, int J, int bits, uint32_t* words, int TP) {
-  const int64_t row_bits = int64_t(J) * bits;
 #if defined(LOWBIT_FAST_CODES)
+  const int64_t row_bits = int64_t(J) * bits;
   if (row_bits % 8 == 0 && row_bits / 8 <= kMaxRowBytes) {
     transpose_rows(src, n, int(row_bits / 8), words, TP);
     return int((row_bits + 31) / 32);
@@ -1863,7 +1860,7 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
   // RVQ: codebooks holds the key codebooks (if the keys are RVQ), then the value codebooks
   int64_t book_floats = 0;
   for (const std::vector<int64_t>* d : {&f.key, &f.val})
-    if ((*d)[0] == (d == &f.key ? KEY_RVQ : VAL_RVQ)) {
+    if (is_rvq(*d, d == &f.key)) {
       TORCH_CHECK((*d)[RV_BITS] >= 1 && (*d)[RV_BITS] <= 16 && (*d)[RV_C] >= 1 &&
                       (*d)[RV_C] <= (int64_t(1) << (*d)[RV_BITS]) && (*d)[RV_GROUP] >= 1 &&
                       (*d)[RV_GROUP] <= D && D % (*d)[RV_GROUP] == 0,
