@@ -140,19 +140,14 @@ inline __m256i compress_lanes(uint32_t k) {
 }
 #endif
 
-// the lanes of v whose bit in k is set, in order, first (the lanes after them: anything)
-inline vi compress(vi v, uint32_t k) {
+// the lanes of v (vi or vf, moved as bits) whose bit in k is set, in order, first (the
+// lanes after them: anything)
+template <typename V>
+inline V compress(V v, uint32_t k) {
 #if defined(__AVX512F__)
-  return vi(_mm512_maskz_compress_epi32(__mmask16(k), __m512i(v)));
+  return V(_mm512_maskz_compress_epi32(__mmask16(k), __m512i(v)));
 #else
-  return vi(_mm256_permutevar8x32_epi32(__m256i(v), compress_lanes(k)));
-#endif
-}
-inline vf compress(vf v, uint32_t k) {
-#if defined(__AVX512F__)
-  return vf(_mm512_maskz_compress_ps(__mmask16(k), __m512(v)));
-#else
-  return vf(_mm256_permutevar8x32_ps(__m256(v), compress_lanes(k)));
+  return V(_mm256_permutevar8x32_epi32(__m256i(v), compress_lanes(k)));
 #endif
 }
 #endif
