@@ -55,17 +55,11 @@ struct Args {
 template <typename T>
 void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
   const int64_t G = a.Hq / a.H, D = a.D, M = (i1 - i0) * G;
-  // bf16 inputs: pair tiles (bf16 products, float32 sums; the queries exact, so the scale
-  // goes on the scores; the probabilities rounded to bf16 for the value sum)
-  const bool pairs = kBf16Tiles && std::is_same_v<T, uint16_t> && D % (2 * L) == 0;
-  const float q_scale = pairs ? 1.f : a.scale, score_scale = pairs ? a.scale : 1.f;
-  const TilePool tiles({M * D, M * D, M * KB, D * KB, KB * D, pairs ? M * D / 2 : 0,
-                        pairs ? D * KB / 2 : 0, pairs ? KB * D / 2 : 0, pairs ? M * KB / 2 : 0,
-                        D});
+  TileProducts products(std::is_same_v<T, uint16_t>, M, D, KB);
+  const float q_scale = products.bf16() ? 1.f : a.scale;
+  const float score_scale = products.bf16() ? a.scale : 1.f;
+  const TilePool tiles({M * D, M * D, M * KB, D * KB, KB * D});
   float *q = tiles[0], *o = tiles[1], *p = tiles[2], *kt = tiles[3], *vt = tiles[4];
-  uint32_t *qb = reinterpret_cast<uint32_t*>(tiles[5]), *kp = reinterpret_cast<uint32_t*>(tiles[6]),
-           *vp = reinterpret_cast<uint32_t*>(tiles[7]), *pb = reinterpret_cast<uint32_t*>(tiles[8]);
-  const float* zeros = tiles[9];
   std::vector<float> mrun(M, kNegInf), lsum(M, 0.f);
   std::vector<int64_t> limit(M);  // query vector m sees keys [0, limit[m])
   for (int64_t m = 0; m < M; ++m) {
@@ -74,9 +68,7 @@ void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
     for (int64_t c = 0; c < D; c += L) storef(&q[m * D + c], load16(src + c) * q_scale);
     limit[m] = a.causal ? std::clamp<int64_t>(i + a.offset + 1, 0, a.S) : a.S;
   }
-#if defined(__AVX512BF16__)
-  if (pairs) bf16_row(q, M * D, reinterpret_cast<uint16_t*>(qb));
-#endif
+  products.queries(q, int(M));
   const int64_t jmax = *std::max_element(limit.begin(), limit.end());
   for (int64_t j0 = 0; j0 < jmax; j0 += KB) {
     const int nt = int(std::min<int64_t>(KB, jmax - j0)), ntp = round_up(nt);
@@ -87,25 +79,11 @@ void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
       const T* vr = a.v + (j0 + t) * a.vs0 + h * a.vs1;
       for (int64_t c = 0; c < D; c += L) storef(&vt[t * D + c], t < nt ? load16(vr + c) : vf{});
     }
-#if defined(__AVX512BF16__)
-    if (pairs) {
-      key_pairs(kt, KB, D, ntp, kp);
-      value_pairs(vt, D, nt, zeros, vp);
-      tile_scores<Bf16PairTiles>(qb, int(M), D, kp, KB, ntp, p, KB);
-    } else
-#endif
-      tile_scores<FloatTiles>(q, int(M), D, kt, KB, ntp, p, KB);
+    products.scores(kt, KB, ntp, p, KB);
     for (int64_t m = 0; m < M; ++m)  // online softmax, probabilities in place
       softmax_block(&p[m * KB], ntp, 0, int(std::min<int64_t>(nt, limit[m] - j0)), score_scale,
                     mrun[m], lsum[m], &o[m * D], int(D));
-#if defined(__AVX512BF16__)
-    if (pairs) {
-      for (int64_t m = 0; m < M; ++m)
-        bf16_row(p + m * KB, ntp, reinterpret_cast<uint16_t*>(pb + m * KB / 2));
-      tile_values<Bf16PairTiles>(pb, KB / 2, int(M), vp, D, nt, o);
-    } else
-#endif
-      tile_values<FloatTiles>(p, KB, int(M), vt, D, nt, o);
+    products.values(p, KB, vt, nt, o);
   }
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = i0 + m / G, hq = h * G + m % G;

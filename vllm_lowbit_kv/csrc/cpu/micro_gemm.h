@@ -1,8 +1,9 @@
 // The two small matrix products of attention over a tile of keys and values, as vLLM's CPU
 // micro-GEMM does them: broadcast one element of a query (or probability) row, multiply a
 // vector of 16 keys (or channels), keep a block of accumulators in registers. Both CPU
-// kernels use them: dense_attention.cpp for bf16/float32 K/V, packed_attention.cpp for
-// prefill chunks, on groups decoded to such tiles once for all their query vectors.
+// kernels use them through TileProducts (at the end): dense_attention.cpp for bf16/float32
+// K/V, packed_attention.cpp for prefill chunks, on groups decoded to such tiles once for all
+// their query vectors.
 //
 // Two tile types, one set of kernels: FloatTiles (float32 FMAs) and, where the build has
 // AVX-512 BF16, Bf16PairTiles (VDPBF16PS: elements 2i and 2i + 1 of a row share one 32-bit
@@ -28,15 +29,16 @@ namespace lowbit_kv {
 namespace {
 
 // Float buffers of a work item in one zeroed 64-byte-aligned block, buffer i starting
-// i + 1 cache lines past a 4 KiB boundary. Separate vectors often start at equal offsets
-// modulo 4 KiB, and then the loads of one alias the stores of another in the CPU's
+// first_line + i cache lines past a 4 KiB boundary. Separate vectors often start at equal
+// offsets modulo 4 KiB, and then the loads of one alias the stores of another in the CPU's
 // store-to-load check: the value kernel ran at half speed on the second thread that way.
+// (Pools used together start at different lines: TileProducts' past its callers'.)
 class TilePool {
  public:
-  explicit TilePool(std::initializer_list<int64_t> sizes) {
+  explicit TilePool(std::initializer_list<int64_t> sizes, int first_line = 1) {
     int64_t at = 0;
     for (int64_t n : sizes) {
-      at = (at + 1023) / 1024 * 1024 + 16 * int64_t(starts_.size() + 1);
+      at = (at + 1023) / 1024 * 1024 + 16 * int64_t(starts_.size() + first_line);
       starts_.push_back(at);
       at += n;
     }
@@ -218,6 +220,72 @@ inline void value_pairs(const float* v, int64_t D, int n, const float* zeros, ui
 }
 
 #endif
+
+// Q K^T and P V of a flash loop over tiles of float32 keys (transposed: kt[c * ldk + t])
+// and values (rows: v[t * D + c]), for up to `rows` query vectors of D channels and up to
+// `keys` keys per tile: float32 FMAs, or for bf16 inputs, where the build has AVX-512 BF16
+// and D is a multiple of 2 L, bf16 pair tiles: exact bf16 products and float32 sums, the
+// queries taken as given and the probabilities rounded to bf16, as vLLM's AMX and GPU
+// flash attention do. Then bf16() is true and the softmax scale belongs on the scores.
+// Per item queries(); per tile scores(), the softmax, values().
+class TileProducts {
+ public:
+  TileProducts(bool bf16_inputs, int64_t rows, int64_t D, int64_t keys)
+      : bf16_(kBf16Tiles && bf16_inputs && D % (2 * L) == 0),
+        D_(D),
+        pairs_({bf16_ ? rows * D / 2 : 0, bf16_ ? D * keys / 2 : 0, bf16_ ? keys * D / 2 : 0,
+                bf16_ ? rows * keys / 2 : 0, bf16_ ? D : 0},
+               kFirstLine) {}
+
+  bool bf16() const { return bf16_; }
+
+  // M query vectors q[m * D + c], read by scores() until the next call
+  void queries(const float* q, int M) {
+    q_ = q;
+    M_ = M;
+#if defined(__AVX512BF16__)
+    if (bf16_) bf16_row(q, int64_t(M) * D_, reinterpret_cast<uint16_t*>(words(kQuery)));
+#endif
+  }
+
+  // sc[m * ldc + t] = q_m . k_t for n keys (a multiple of L)
+  void scores(const float* kt, int64_t ldk, int n, float* sc, int64_t ldc) {
+#if defined(__AVX512BF16__)
+    if (bf16_) {
+      key_pairs(kt, ldk, D_, n, words(kKeys));
+      tile_scores<Bf16PairTiles>(words(kQuery), M_, D_, words(kKeys), ldk, n, sc, ldc);
+      return;
+    }
+#endif
+    tile_scores<FloatTiles>(q_, M_, D_, kt, ldk, n, sc, ldc);
+  }
+
+  // o[m * D + c] += sum_t p[m * ldp + t] v[t * D + c] over n tokens (ldp >= round_up(n))
+  void values(const float* p, int64_t ldp, const float* v, int n, float* o) {
+#if defined(__AVX512BF16__)
+    if (bf16_) {
+      uint32_t* pw = words(kProbabilities);
+      value_pairs(v, D_, n, pairs_[kZeros], words(kValues));
+      for (int m = 0; m < M_; ++m)
+        bf16_row(p + m * ldp, round_up(n), reinterpret_cast<uint16_t*>(pw + m * ldp / 2));
+      tile_values<Bf16PairTiles>(pw, ldp / 2, M_, words(kValues), D_, n, o);
+      return;
+    }
+#endif
+    tile_values<FloatTiles>(p, ldp, M_, v, D_, n, o);
+  }
+
+ private:
+  enum Buffer { kQuery, kKeys, kValues, kProbabilities, kZeros };
+  static constexpr int kFirstLine = 16;  // past the lines of the callers' pools
+  uint32_t* words(Buffer b) const { return reinterpret_cast<uint32_t*>(pairs_[b]); }
+
+  bool bf16_;
+  int64_t D_;
+  TilePool pairs_;  // the pair tiles (bf16 only; empty otherwise)
+  const float* q_ = nullptr;
+  int M_ = 0;
+};
 
 }  // namespace
 }  // namespace lowbit_kv

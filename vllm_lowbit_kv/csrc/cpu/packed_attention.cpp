@@ -1647,19 +1647,16 @@ struct Work {
   TilePool tiles;
   float *q, *sc, *acc, *mrun, *lsum;
   float *kt, *vrows, *basis;  // tile path: K^T [D][TP], V [TP][D], basis vectors
-  uint32_t *qb, *kp, *vp, *pb;  // its bf16 pair tiles (micro_gemm.h): q, K, V, probabilities
-  const float* zeros;           // [D]
-  // tile: whether an item of the call takes the tile path (1) or not (0: empty buffers)
-  Work(const Format& f, int M, int64_t tile)
+  TileProducts products;      // tile path: Q K^T and P V (micro_gemm.h)
+  // tile: whether an item of the call takes the tile path (1) or not (0: empty buffers);
+  // bf16: the call's queries are bf16
+  Work(const Format& f, int M, int64_t tile, bool bf16)
       : s(f, tile ? std::max({M, f.D, f.TP}) : M),
         tiles({int64_t(M) * f.D, int64_t(M) * f.TP, int64_t(M) * f.D, M, M,
                tile * f.D * f.TP, tile * f.TP * f.D,
-               tile * std::max(f.D, f.TP) * std::max(f.D, f.TP), tile * M * f.D / 2,
-               tile * f.D * f.TP / 2, tile * f.TP * f.D / 2, tile * M * f.TP / 2, tile * f.D}),
+               tile * std::max(f.D, f.TP) * std::max(f.D, f.TP)}),
         q(tiles[0]), sc(tiles[1]), acc(tiles[2]), mrun(tiles[3]), lsum(tiles[4]), kt(tiles[5]),
-        vrows(tiles[6]), basis(tiles[7]), qb(reinterpret_cast<uint32_t*>(tiles[8])),
-        kp(reinterpret_cast<uint32_t*>(tiles[9])), vp(reinterpret_cast<uint32_t*>(tiles[10])),
-        pb(reinterpret_cast<uint32_t*>(tiles[11])), zeros(tiles[12]) {}
+        vrows(tiles[6]), basis(tiles[7]), products(tile && bf16, tile * M, f.D, tile * f.TP) {}
 };
 
 // The scratch of this thread for calls without the tile path (decode steps), kept between
@@ -1678,11 +1675,11 @@ Work& kept_work(const Format& f, int M) {
   format.insert(format.end(), f.val.begin(), f.val.end());
   for (Kept& k : kept)
     if (k.format == format) {
-      if (k.M < M) k = {std::move(format), M, std::make_unique<Work>(f, M, 0)};
+      if (k.M < M) k = {std::move(format), M, std::make_unique<Work>(f, M, 0, false)};
       return *k.work;
     }
   if (kept.size() == kMostFormats) kept.erase(kept.begin());
-  kept.push_back({std::move(format), M, std::make_unique<Work>(f, M, 0)});
+  kept.push_back({std::move(format), M, std::make_unique<Work>(f, M, 0, false)});
   return *kept.back().work;
 }
 
@@ -1722,9 +1719,7 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
   float* q = wk.q;
   float* sc = wk.sc;
   const bool tiles = M >= kTileMinVectors;
-  // bf16 queries: the tiles as bf16 pairs (bf16 products, float32 sums); the queries stay
-  // exact, so the scale goes on the scores
-  const bool pairs = tiles && kBf16Tiles && run.qtype == at::kBFloat16 && D % (2 * L) == 0;
+  const bool pairs = tiles && wk.products.bf16();  // then the scale goes on the scores
   const float q_scale = pairs ? 1.f : run.scale;
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t g = 0; g < run.G; ++g)
@@ -1734,9 +1729,7 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
     LOWBIT_FOR_BLOCKS(M, mat_vec, run.rot, D, q, rotated)
     std::copy(rotated, rotated + size_t(M) * D, q);
   }
-#if defined(__AVX512BF16__)
-  if (pairs) bf16_row(q, int64_t(M) * D, reinterpret_cast<uint16_t*>(wk.qb));
-#endif
+  if (tiles) wk.products.queries(q, M);
   std::fill(acc, acc + size_t(M) * D, 0.f);
   std::fill(mrun, mrun + M, kNegInf);
   std::fill(lsum, lsum + M, 0.f);
@@ -1767,14 +1760,7 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
     }
     if (tiles) {
       decode_tiles(f, st, wk);
-#if defined(__AVX512BF16__)
-      if (pairs) {
-        key_pairs(wk.kt, TP, D, TP, wk.kp);
-        value_pairs(wk.vrows, D, T, wk.zeros, wk.vp);
-        tile_scores<Bf16PairTiles>(wk.qb, M, D, wk.kp, TP, TP, sc, TP);
-      } else
-#endif
-        tile_scores<FloatTiles>(q, M, D, wk.kt, TP, TP, sc, TP);
+      wk.products.scores(wk.kt, TP, TP, sc, TP);
     } else if (key_rvq) {
       rvq_table_scores(st, *key_rvq, wk.rvq, T, M, TP, sc, wk.s);
     } else {
@@ -1786,16 +1772,8 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
                                        mrun[m], lsum[m], acc + size_t(m) * D, D);
       if (val_rvq) wk.rvq.corr[m] = corr;
     }
-#if defined(__AVX512BF16__)
-    if (pairs) {
-      for (int m = 0; m < M; ++m)
-        bf16_row(sc + int64_t(m) * TP, TP,
-                 reinterpret_cast<uint16_t*>(wk.pb + int64_t(m) * TP / 2));
-      tile_values<Bf16PairTiles>(wk.pb, TP / 2, M, wk.vp, D, T, acc);
-    } else
-#endif
     if (tiles) {
-      tile_values<FloatTiles>(sc, TP, M, wk.vrows, D, T, acc);
+      wk.products.values(sc, TP, wk.vrows, T, acc);
     } else if (val_rvq) {
       rvq_rescale(wk.rvq);
       rvq_table_weights(st + f.k_bytes, *val_rvq, sc, T, M, TP, wk.rvq, wk.s);
@@ -1993,7 +1971,9 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
 
   at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::optional<Work> own;
-    Work& wk = max_m >= kTileMinVectors ? own.emplace(f, int(max_m), 1) : kept_work(f, int(max_m));
+    Work& wk = max_m >= kTileMinVectors
+                   ? own.emplace(f, int(max_m), 1, run.qtype == at::kBFloat16)
+                   : kept_work(f, int(max_m));
     for (int64_t k = begin; k < end; ++k) {
       const Item& it = items[k];
       if (it.partial >= 0) {
