@@ -4,7 +4,7 @@ Without a GPU: nvcc compiles the kernel for sm_80 and sm_90a (compile-only,
 no spills allowed), the torch binding is compiled against torch's headers
 (syntax only), the Python side of the C struct is checked against the
 header, and the kernel's own code runs on the CPU under
-csrc/cuda/host_emulation.cpp (one thread per CUDA thread, barriers for
+csrc/cuda/host_emulation.cpp (one fiber per CUDA thread, barriers for
 __syncthreads, a per-warp exchange for shuffles) against the reference.
 With a GPU (marked ``gpu``): the JIT-built kernel against the reference.
 Outputs are poisoned first; tolerances as for the Triton kernel (float32
@@ -200,7 +200,7 @@ def emulated(request, tmp_path_factory):
         pytest.skip("g++ or the CUDA headers missing")
     lib_path = tmp_path_factory.mktemp("emu") / f"lowbit_emulated_{request.param}.so"
     defines = ["-DLOWBIT_TABLE_BYTES=0"] if request.param == "no_tables" else []
-    proc = subprocess.run(["g++", "-O2", "-std=c++20", "-pthread", "-shared", "-fPIC", *defines,
+    proc = subprocess.run(["g++", "-O2", "-std=c++20", "-shared", "-fPIC", *defines,
                            f"-I{_cuda_home() / 'include'}", f"-I{SRC}",
                            str(SRC / "host_emulation.cpp"), "-o", str(lib_path)],
                           capture_output=True, text=True, timeout=300)
@@ -230,7 +230,8 @@ def emulated(request, tmp_path_factory):
             splits, per_split, scale * cuda_ops.LOG2E)
         reason = lib.lowbit_packed_attention_emulated_check(ctypes.byref(args))
         assert reason is None, reason
-        assert lib.lowbit_packed_attention_emulated(ctypes.byref(args)) == 0
+        rc = lib.lowbit_packed_attention_emulated(ctypes.byref(args))
+        assert rc == 0, {1: "refused", 2: "threads wait at a barrier that others never reach"}[rc]
 
     return run
 

@@ -1,35 +1,54 @@
 // Test harness: runs the kernels of packed_attention.cu, unchanged, on the CPU with one
-// std::thread per CUDA thread, so CI (no GPU) executes the kernel's own indexing and
+// fiber (ucontext) per CUDA thread, so CI (no GPU) executes the kernel's own indexing and
 // synchronization (tests/test_cuda_kernel.py builds it with g++ and calls it via ctypes).
 // Emulated, and only as far as packed_attention.cu uses it: thread/block indices,
 // dynamic shared memory, __syncthreads / __syncwarp (barriers), __shfl_xor_sync (a
 // per-warp exchange between two barriers, so every lane of the warp must call it, as
 // in the kernel), __popc, __ldg, __funnelshift_r, __uint_as_float; the kernel's cp.async
-// copies are plain copies here (LOWBIT_HOST_EMULATION), so its waits are no-ops. Memory is host memory; blocks run one after another.
+// copies are plain copies here (LOWBIT_HOST_EMULATION), so its waits are no-ops. Memory
+// is host memory; blocks run one after another.
+// Fibers, not OS threads: a barrier is a switch of a few hundred nanoseconds instead of
+// waking hundreds of threads on a few cores (the emulated tests ran 10x longer that way).
+// The block's fibers run to their next barrier in turn, in alternating order, so a read
+// of another thread's write with no barrier between them sees the old value in one of
+// the two orders; a barrier that some threads never reach is reported, not a hang.
 // Not a CUDA emulator: no timing, no memory model beyond barriers, float math by the
 // host compiler.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <ucontext.h>
 
-#include <barrier>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
 namespace emu {
 
+// A barrier of `expected` fibers: the last to arrive opens it (the next generation).
+struct Barrier {
+  int expected, arrived = 0;
+  unsigned generation = 0;
+};
+
+struct Fiber {
+  static constexpr size_t kStackBytes = 256 * 1024;
+  ucontext_t context;
+  std::unique_ptr<char[]> stack{new char[kStackBytes]};
+  const Barrier* waiting = nullptr;  // the barrier it waits at, while at `generation`
+  unsigned generation = 0;
+  bool done = false;
+};
+
 struct BlockState {
-  std::barrier<> block;
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  Barrier block;
+  std::vector<Barrier> warps;
   std::vector<float> exchange;  // one shuffle slot per thread
   std::vector<unsigned char> shared;
-  BlockState(int threads, size_t smem) : block(threads), exchange(threads), shared(smem + 16) {
-    for (int w = 0; w < threads / 32; ++w) warps.emplace_back(std::make_unique<std::barrier<>>(32));
-  }
+  BlockState(int threads, size_t smem)
+      : block{threads}, warps(threads / 32, Barrier{32}), exchange(threads), shared(smem + 16) {}
 };
 
 thread_local uint3 thread_idx;
@@ -37,9 +56,22 @@ thread_local uint3 block_idx;
 thread_local dim3 block_dim;
 thread_local dim3 grid_dim;
 thread_local BlockState* state;
+thread_local Fiber* running;
+thread_local ucontext_t scheduler;
+thread_local const void* launched;  // the Launch<Kernel, Arg> the fibers start
 
-inline void sync_threads() { state->block.arrive_and_wait(); }
-inline void sync_warp() { state->warps[thread_idx.x / 32]->arrive_and_wait(); }
+inline void arrive_and_wait(Barrier& b) {
+  running->waiting = &b;
+  running->generation = b.generation;
+  if (++b.arrived == b.expected) {
+    b.arrived = 0;
+    ++b.generation;
+  }
+  swapcontext(&running->context, &scheduler);
+}
+
+inline void sync_threads() { arrive_and_wait(state->block); }
+inline void sync_warp() { arrive_and_wait(state->warps[thread_idx.x / 32]); }
 
 inline float shfl_xor(float v, int lane_mask) {
   const int t = static_cast<int>(thread_idx.x), lane = t % 32;
@@ -67,24 +99,56 @@ inline unsigned char* shared_memory() {
 }
 
 template <class Kernel, class Arg>
-void launch(Kernel kernel, dim3 grid, int threads, size_t smem, const Arg& arg) {
+struct Launch {
+  Kernel kernel;
+  const Arg& arg;
+  static void fiber_main() {
+    const auto* l = static_cast<const Launch*>(launched);
+    l->kernel(l->arg);
+    running->done = true;  // returns to the scheduler (uc_link)
+  }
+};
+
+// Runs the grid's blocks one after another; false when a block's threads wait at
+// barriers that can no longer open (some thread skipped a __syncthreads / __syncwarp).
+template <class Kernel, class Arg>
+bool launch(Kernel kernel, dim3 grid, int threads, size_t smem, const Arg& arg) {
+  const Launch<Kernel, Arg> body{kernel, arg};
+  launched = &body;
+  std::vector<Fiber> fibers(threads);
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
         BlockState block(threads, smem);
-        std::vector<std::thread> pool;
-        for (int t = 0; t < threads; ++t) {
-          pool.emplace_back([&, t] {
+        state = &block;
+        for (Fiber& f : fibers) {  // (a ucontext_t points into itself: set up in place)
+          f.waiting = nullptr;
+          f.done = false;
+          getcontext(&f.context);
+          f.context.uc_stack = {f.stack.get(), 0, Fiber::kStackBytes};
+          f.context.uc_link = &scheduler;
+          makecontext(&f.context, &Launch<Kernel, Arg>::fiber_main, 0);
+        }
+        for (int left = threads, round = 0; left > 0; ++round) {
+          bool moved = false;
+          for (int i = 0; i < threads; ++i) {
+            const int t = round % 2 ? threads - 1 - i : i;
+            Fiber& f = fibers[t];
+            if (f.done || (f.waiting && f.waiting->generation == f.generation)) continue;
+            f.waiting = nullptr;
             thread_idx = make_uint3(t, 0, 0);
             block_idx = make_uint3(x, y, z);
             block_dim = dim3(threads);
             grid_dim = grid;
-            state = &block;
-            kernel(arg);
-          });
+            running = &f;
+            swapcontext(&scheduler, &f.context);
+            moved = true;
+            left -= f.done;
+          }
+          if (!moved) return false;
         }
-        for (auto& th : pool) th.join();
       }
+  return true;
 }
 
 }  // namespace emu
@@ -104,14 +168,16 @@ void launch(Kernel kernel, dim3 grid, int threads, size_t smem, const Arg& arg) 
 
 #include "packed_attention.cu"
 
-// The CUDA launcher's work, run on the host. Returns 0, or 1 when the checks refuse.
+// The CUDA launcher's work, run on the host. Returns 0; 1 when the checks refuse; 2 when
+// threads of a block wait at a barrier the others never reach.
 extern "C" int lowbit_packed_attention_emulated(const LowbitAttentionArgs* args) {
   if (lowbit_packed_attention_check(args) != nullptr) return 1;
   if (args->num_rows == 0) return 0;
   const LaunchPlan plan = launch_plan(*args);
-  emu::launch(plan.kernel, plan.grid, plan.threads, plan.smem, *args);
-  if (args->num_splits > 1)
-    emu::launch(combine_splits_kernel, dim3(args->num_rows * args->Hq), args->fmt.D, 0, *args);
+  if (!emu::launch(plan.kernel, plan.grid, plan.threads, plan.smem, *args)) return 2;
+  if (args->num_splits > 1 &&
+      !emu::launch(combine_splits_kernel, dim3(args->num_rows * args->Hq), args->fmt.D, 0, *args))
+    return 2;
   return 0;
 }
 
