@@ -226,23 +226,26 @@ class Engine(ABC):
 
 
 @lru_cache(maxsize=2)
-def _load_hf(model_dir: str):
+def _load_hf(model_dir: str, dtype: torch.dtype = torch.bfloat16):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     return model.eval()
 
 
 class HFEngine(Engine):
-    """transformers model + LowBitKVCache (DynamicCache for the bf16 reference)."""
+    """transformers model + LowBitKVCache (DynamicCache for the bf16 reference); weights
+    and activations in ``dtype`` (the served model's bfloat16 unless a comparison asks
+    for float32)."""
 
     supports_eviction = True
     variants_share_prefill = True
 
     def __init__(self, model_dir: str | Path, kv_cache_dtype: str, *, block_tokens: int | None = None,
                  sink_tokens: int | None = None, skip_layers: Sequence[int] = (),
-                 relevance: str = "auto", params: dict[str, Any] | None = None):
+                 relevance: str = "auto", params: dict[str, Any] | None = None,
+                 dtype: torch.dtype = torch.bfloat16):
         from vllm_lowbit_kv.schemes import get_scheme
-        self.model = _load_hf(str(model_dir))
+        self.model = _load_hf(str(model_dir), dtype)
         self.kv_cache_dtype = kv_cache_dtype
         cfg = self.model.config.get_text_config(decoder=True)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

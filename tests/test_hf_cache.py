@@ -304,7 +304,9 @@ def test_stream_state_threaded_per_layer():
 
 @pytest.mark.slow
 def test_real_model_kivi4_perplexity_close_to_bf16():
-    """SmolLM2-135M, 1024 tokens of the default text in 256-token chunks: KIVI-4 within 2% PPL."""
+    """SmolLM2-135M, 1024 tokens of the default text in 256-token chunks: KIVI-4 within 2% PPL.
+    (float32 weights: the KV path is the same, and bf16 GEMMs take about 5x float32's time
+    on CPUs without AVX-512 BF16.)"""
     try:
         from vllm_lowbit_kv.corpus import default_text
         from vllm_lowbit_kv.model import prepare_model
@@ -314,7 +316,8 @@ def test_real_model_kivi4_perplexity_close_to_bf16():
     from bench.quality import make_engine
     from transformers import AutoTokenizer
     ids = AutoTokenizer.from_pretrained(path)(text).input_ids[:1024]
-    ppl = {name: torch.exp(-make_engine("hf", path, name).logprobs_teacher_forced(ids, 256).mean()).item()
+    ppl = {name: torch.exp(-make_engine("hf", path, name, dtype=torch.float32)
+                           .logprobs_teacher_forced(ids, 256).mean()).item()
            for name in ("bfloat16", "kivi4", "kivi2")}
     assert ppl["kivi4"] / ppl["bfloat16"] < 1.02, ppl
     assert ppl["kivi2"] > ppl["kivi4"], ppl

@@ -72,13 +72,15 @@ def test_gpu_script_dry_run(tmp_path):
 
 @pytest.mark.slow  # SmolLM2 through the paged forward on the CPU (what the GPU run does on CUDA)
 def test_paged_forward_cli_on_the_cpu(tmp_path):
+    """float32 weights: five 512-token passes of bf16 GEMMs take minutes on a CPU without
+    AVX-512 BF16 (about 5x float32's time), and the CLI's path is the same."""
     out = tmp_path / "forward.json"
     r = subprocess.run([sys.executable, "-m", "bench.paged_forward", "--device", "cpu",
-                        "--tokens", "512", "--json", str(out)], capture_output=True, text=True,
-                       timeout=600)
+                        "--tokens", "512", "--dtype", "float32", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert rows and all("ppl" in row for row in rows), rows
+    assert rows and all("ppl" in row and row["dtype"] == "float32" for row in rows), rows
 
 
 def _sink_group(scheme="vidkv", sinks=3, seed=0, **params):
