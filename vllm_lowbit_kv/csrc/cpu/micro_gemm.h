@@ -233,9 +233,9 @@ class TileProducts {
   TileProducts(bool bf16_inputs, int64_t rows, int64_t D, int64_t keys)
       : bf16_(kBf16Tiles && bf16_inputs && D % (2 * L) == 0),
         D_(D),
-        pairs_({bf16_ ? rows * D / 2 : 0, bf16_ ? D * keys / 2 : 0, bf16_ ? keys * D / 2 : 0,
-                bf16_ ? rows * keys / 2 : 0, bf16_ ? D : 0},
-               kFirstLine) {}
+        pairs_(bf16_ ? TilePool({rows * D / 2, D * keys / 2, keys * D / 2, rows * keys / 2, D},
+                                kFirstLine)
+                     : TilePool({})) {}
 
   bool bf16() const { return bf16_; }
 
@@ -282,7 +282,7 @@ class TileProducts {
 
   bool bf16_;
   int64_t D_;
-  TilePool pairs_;  // the pair tiles (bf16 only; empty otherwise)
+  TilePool pairs_;  // the pair tiles (bf16 only; no buffers otherwise)
   const float* q_ = nullptr;
   int M_ = 0;
 };
