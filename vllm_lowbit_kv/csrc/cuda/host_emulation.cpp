@@ -121,6 +121,9 @@ bool launch(Kernel kernel, dim3 grid, int threads, size_t smem, const Arg& arg) 
       for (unsigned x = 0; x < grid.x; ++x) {
         BlockState block(threads, smem);
         state = &block;
+        block_idx = make_uint3(x, y, z);
+        block_dim = dim3(threads);
+        grid_dim = grid;
         for (Fiber& f : fibers) {  // (a ucontext_t points into itself: set up in place)
           f.waiting = nullptr;
           f.done = false;
@@ -137,9 +140,6 @@ bool launch(Kernel kernel, dim3 grid, int threads, size_t smem, const Arg& arg) 
             if (f.done || (f.waiting && f.waiting->generation == f.generation)) continue;
             f.waiting = nullptr;
             thread_idx = make_uint3(t, 0, 0);
-            block_idx = make_uint3(x, y, z);
-            block_dim = dim3(threads);
-            grid_dim = grid;
             running = &f;
             swapcontext(&scheduler, &f.context);
             moved = true;
