@@ -8,7 +8,9 @@ residual window (two groups per sequence in staging), layer 0 kept in
 bf16 (``skip_layers``), chunked prefill (max_num_batched_tokens=256, so a long
 prompt's later chunks read the packed pages), prefix caching (vLLM's default),
 and only :data:`NUM_BLOCKS` KV blocks (``--num-gpu-blocks-override``) so that
-concurrent requests get preempted. Tests that use it must leave it idle
+concurrent requests get preempted; it runs vLLM's default process layout (a
+separate worker process; the other test servers run the worker inside the engine
+core, tests/conftest.py). Tests that use it must leave it idle
 (:func:`wait_idle`): every KV block and staging slot back.
 """
 
@@ -70,7 +72,7 @@ def server(tmp_path_factory):
     cfg.write_text(json.dumps(LOWBIT))
     s = start_server(tmp, "vidkv", ["--kv-cache-dtype", "vidkv", "--lowbit-config", str(cfg),
                                     "--num-gpu-blocks-override", str(NUM_BLOCKS), *COMMON],
-                     LOWBIT_KV_LOG_STAGING="1")
+                     LOWBIT_KV_LOG_STAGING="1", VLLM_ENABLE_V1_MULTIPROCESSING=None)
     try:
         yield s.wait_ready(timeout=300)
     finally:

@@ -71,7 +71,8 @@ def vllm_serve(tmp_path_factory):
     model = str(prepare_model())
     s = Server(["--kv-cache-dtype", "vidkv", "--host", "127.0.0.1", "--enforce-eager", "--max-model-len",
                 "1024", "--max-num-seqs", "4", "--served-model-name", "smol"], launcher=[VLLM, "serve", model],
-               env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "lowbit_kv,lowbit_kv_stats"},
+               env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "lowbit_kv,lowbit_kv_stats",
+                    "VLLM_ENABLE_V1_MULTIPROCESSING": None},
                log=tmp_path_factory.mktemp("vllm_cli") / "vllm_serve.log").launch()
     try:
         yield s.wait_ready(timeout=400), model
