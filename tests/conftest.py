@@ -40,8 +40,9 @@ if len(WORKER_CPUS) < len(os.sched_getaffinity(0)):
 # Most test servers run vLLM's model worker inside its engine-core process (vLLM's own
 # switch; multi-rank servers keep one process per rank): one Python start-up of torch and
 # vLLM fewer per server (~18 s of ~60 here) and no shared-memory queue busy-polling between
-# the two. The session's shared server and the `vllm serve` CLI test keep vLLM's default
-# layout, the one users run (tests/_servers.py, tests/test_serving_vllm_cli.py).
+# the two. The session's shared server and the servers of `vllm serve` and scripts/main.sh
+# keep vLLM's default layout, the one users run (tests/_servers.py,
+# tests/test_serving_vllm_cli.py, tests/test_serving_launcher.py).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 

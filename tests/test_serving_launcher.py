@@ -261,9 +261,11 @@ def _request(port, method, path, body=None, key=None):
 
 
 def _main_sh(tmp, name, args, kv_space_gib, env=None):
-    """``bash scripts/main.sh ARGS --port P``; ``kv_space_gib`` None: the launcher's default."""
+    """``bash scripts/main.sh ARGS --port P``, in vLLM's default process layout as users run
+    it; ``kv_space_gib`` None: the launcher's default."""
     env = {"VLLM_CPU_KVCACHE_SPACE": None if kv_space_gib is None else str(kv_space_gib),
-           "LD_PRELOAD": None, "LOWBIT_KV_PRELOAD": None, "LOWBIT_KV_PRELOADED": None, **(env or {})}
+           "LD_PRELOAD": None, "LOWBIT_KV_PRELOAD": None, "LOWBIT_KV_PRELOADED": None,
+           "VLLM_ENABLE_V1_MULTIPROCESSING": None, **(env or {})}
     return Server(args, launcher=["bash", "scripts/main.sh"], env=env, log=tmp / f"{name}.log").launch()
 
 
