@@ -161,6 +161,17 @@ def test_vllm_config_validates_and_maps_skip_layers(model_dir):
         .kv_cache_dtype_skip_layers == []
 
 
+def test_float_cache_of_another_dtype_is_refused_on_the_cpu(model_dir):
+    """vLLM's CPU attention answers garbage for a float32 model over a 16-bit cache (stock
+    vLLM too): refused with the way out; what it answers right is served."""
+    for cache in ("bfloat16", "float16"):
+        with pytest.raises(ValueError, match=rf"--kv-cache-dtype {cache} with a float32 model: vLLM's "
+                                             rf"CPU attention answers garbage .* or --dtype {cache}"):
+            vllm_config(model_dir, cache, model_dtype="float32")
+        vllm_config(model_dir, cache)
+    vllm_config(model_dir, "auto", model_dtype="float32")
+
+
 def test_forced_attention_impl_is_checked_at_startup(model_dir, monkeypatch):
     """attention_impl (or LOWBIT_KV_ATTENTION_IMPL) naming an implementation that cannot run
     the scheme on this device stops the server with the reason; auto never does."""

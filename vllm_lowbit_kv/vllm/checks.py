@@ -64,6 +64,7 @@ def check_vllm_config(vllm_config: "VllmConfig", platform: "type[Platform]") -> 
     name = cache_config.cache_dtype
     if not is_lowbit_dtype(name):
         _check_unused_lowbit_config(vllm_config)
+        _check_float_cache(vllm_config, platform)
         return
     if platform._enum not in SERVING_PLATFORMS:  # what Platform.is_cpu()/is_cuda() read
         raise refusal(name, f"on vLLM's {platform.__name__}", [
@@ -152,6 +153,24 @@ def _check_unused_lowbit_config(vllm_config: "VllmConfig") -> None:
             "kept lengths. Refusing to start rather than serve wrong outputs.")
     logger.warning("additional_config 'lowbit_kv' is ignored: --kv-cache-dtype %s is not "
                    "a lowbit-kv scheme (%s)", name, ", ".join(scheme_names()))
+
+
+#: vLLM's 16-bit float cache dtypes
+HALF_CACHE_DTYPES = ("float16", "bfloat16")
+
+
+def _check_float_cache(vllm_config: "VllmConfig", platform: "type[Platform]") -> None:
+    """vLLM's CPU attention answers garbage for a float32 model over a 16-bit cache, in stock
+    vLLM 0.32 too (``--dtype float32`` with ``--kv-cache-dtype bfloat16`` or ``float16``
+    continues "The capital of France is" with punctuation and blank lines; a bfloat16 model
+    over a float16 cache answers right): refused with the way out."""
+    name, model_config = vllm_config.cache_config.cache_dtype, vllm_config.model_config
+    if (platform._enum == PlatformEnum.CPU and name in HALF_CACHE_DTYPES
+            and model_config is not None and model_config.dtype == torch.float32):
+        raise ValueError(
+            f"--kv-cache-dtype {name} with a float32 model: vLLM's CPU attention answers garbage "
+            f"for it; use --kv-cache-dtype auto (the model's dtype) or --dtype {name}. "
+            "Refusing to start rather than serve wrong outputs.")
 
 
 def _attention_impl_reasons(vllm_config: "VllmConfig", scheme: KVScheme, cfg: LowBitKVConfig,
