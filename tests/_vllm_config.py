@@ -15,6 +15,7 @@ def vllm_config(model_dir: str, dtype: str, lowbit: dict | None = None, max_mode
 
     register()
     add = {} if lowbit is None else {"lowbit_kv": lowbit}
-    return VllmConfig(model_config=ModelConfig(model=model_dir, max_model_len=max_model_len, dtype=model_dtype),
+    return VllmConfig(model_config=ModelConfig(model=model_dir, max_model_len=max_model_len,
+                                               dtype=model_dtype),
                       cache_config=CacheConfig(cache_dtype=dtype, **cache_kw),
                       additional_config=add)

@@ -161,7 +161,7 @@ def test_vllm_config_validates_and_maps_skip_layers(model_dir):
         .kv_cache_dtype_skip_layers == []
 
 
-def test_float_cache_of_another_dtype_is_refused_on_the_cpu(model_dir):
+def test_float32_model_over_a_16bit_cache_is_refused_on_the_cpu(model_dir):
     """vLLM's CPU attention answers garbage for a float32 model over a 16-bit cache (stock
     vLLM too): refused with the way out; what it answers right is served."""
     for cache in ("bfloat16", "float16"):
