@@ -46,6 +46,9 @@ FLOAT32_WEIGHTS = ["--dtype", "float32"]
 #: env of a server with several ranks (tensor/pipeline parallel): the launcher binds each
 #: rank to its CPUs, not to the one share tests/conftest.py gives a pytest-xdist worker
 MULTI_RANK_ENV = {"VLLM_CPU_OMP_THREADS_BIND": None}
+#: env of a server in vLLM's default process layout (the worker in a process of its own), as
+#: users run it; the other test servers run the worker in the engine core (tests/conftest.py)
+DEFAULT_LAYOUT_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": None}
 
 
 def start_server(tmp, name, args, stock=False, model=None, **env_extra) -> Server:
@@ -72,7 +75,7 @@ def server(tmp_path_factory):
     cfg.write_text(json.dumps(LOWBIT))
     s = start_server(tmp, "vidkv", ["--kv-cache-dtype", "vidkv", "--lowbit-config", str(cfg),
                                     "--num-gpu-blocks-override", str(NUM_BLOCKS), *COMMON],
-                     LOWBIT_KV_LOG_STAGING="1", VLLM_ENABLE_V1_MULTIPROCESSING=None)
+                     LOWBIT_KV_LOG_STAGING="1", **DEFAULT_LAYOUT_ENV)
     try:
         yield s.wait_ready(timeout=300)
     finally:

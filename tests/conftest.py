@@ -41,8 +41,7 @@ if len(WORKER_CPUS) < len(os.sched_getaffinity(0)):
 # switch; multi-rank servers keep one process per rank): one Python start-up of torch and
 # vLLM fewer per server (~18 s of ~60 here) and no shared-memory queue busy-polling between
 # the two. The session's shared server and the servers of `vllm serve` and scripts/main.sh
-# keep vLLM's default layout, the one users run (tests/_servers.py,
-# tests/test_serving_vllm_cli.py, tests/test_serving_launcher.py).
+# keep vLLM's default layout, the one users run (tests/_servers.py: DEFAULT_LAYOUT_ENV).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 

@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from _servers import FLOAT32_WEIGHTS, ROOT, STATS_ROUTE, long_prompt
+from _servers import DEFAULT_LAYOUT_ENV, FLOAT32_WEIGHTS, ROOT, STATS_ROUTE, long_prompt
 from bench.server import Server, request
 
 KEY = "lowbit-test-key"
@@ -265,7 +265,7 @@ def _main_sh(tmp, name, args, kv_space_gib, env=None):
     it; ``kv_space_gib`` None: the launcher's default."""
     env = {"VLLM_CPU_KVCACHE_SPACE": None if kv_space_gib is None else str(kv_space_gib),
            "LD_PRELOAD": None, "LOWBIT_KV_PRELOAD": None, "LOWBIT_KV_PRELOADED": None,
-           "VLLM_ENABLE_V1_MULTIPROCESSING": None, **(env or {})}
+           **DEFAULT_LAYOUT_ENV, **(env or {})}
     return Server(args, launcher=["bash", "scripts/main.sh"], env=env, log=tmp / f"{name}.log").launch()
 
 

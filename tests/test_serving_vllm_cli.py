@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from _servers import ROOT, STATS_ROUTE  # noqa: E402
+from _servers import DEFAULT_LAYOUT_ENV, ROOT, STATS_ROUTE  # noqa: E402
 from bench.server import Server  # noqa: E402
 
 VLLM = Path(sys.executable).parent / "vllm"
@@ -72,7 +72,7 @@ def vllm_serve(tmp_path_factory):
     s = Server(["--kv-cache-dtype", "vidkv", "--host", "127.0.0.1", "--enforce-eager", "--max-model-len",
                 "1024", "--max-num-seqs", "4", "--served-model-name", "smol"], launcher=[VLLM, "serve", model],
                env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_PLUGINS": "lowbit_kv,lowbit_kv_stats",
-                    "VLLM_ENABLE_V1_MULTIPROCESSING": None},
+                    **DEFAULT_LAYOUT_ENV},
                log=tmp_path_factory.mktemp("vllm_cli") / "vllm_serve.log").launch()
     try:
         yield s.wait_ready(timeout=400), model
