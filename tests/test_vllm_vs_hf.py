@@ -42,7 +42,11 @@ the control, not multiples of e0:
 * damage profile: per-position damage of the two engines correlates >= 0.95.
 
 One server per configuration (auto, kivi2 rotated, vidkv_paper, vidkv), launched
-together at the start of the session and stopped after.
+together at the start of the session and stopped after. The float32 servers also hold
+what a float32 model needs of the backend: the sink area and the staging hold
+model-dtype values, so a page's size depends on the model dtype, and vLLM asks for the
+page size (``customize_spec``) outside its config context, where the backend once
+assumed bfloat16 and then met float32 pages of another size at the first request.
 """
 
 from __future__ import annotations
