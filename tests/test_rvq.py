@@ -372,7 +372,9 @@ def test_vllm_serves_rvq_like_the_reference(tiny_codebook, model_dir):
     64 tokens so every later chunk reads packed pages (the C++ kernel, decoding each group
     with its layer's codebooks): its log-probs agree with the
     transformers cache using the same codec and codebooks (a layer given another layer's
-    codebooks would not), and a greedy continuation of a long prompt is fluent. With 7
+    codebooks would not), and a greedy continuation of a long prompt is fluent. Both
+    engines run the model in float32 (the codec's path is the same; the CPU's bf16 GEMMs
+    cost ~5x float32's without AVX-512 BF16, and float32 engines agree closely). With 7
     retrieval heads and 4 sink tokens: the layers of those heads hold pages of an RVQ part
     and a kivi4 part, the other layers plain RVQ pages (one server for both kinds: each
     start-up costs about a minute of CI)."""
@@ -380,7 +382,8 @@ def test_vllm_serves_rvq_like_the_reference(tiny_codebook, model_dir):
     from transformers import AutoTokenizer
 
     from vllm_lowbit_kv.corpus import default_text
-    from bench.quality import HFEngine
+    from _servers import FLOAT32_WEIGHTS
+    from bench.quality import REFERENCE, HFEngine
     from bench.server import STATS_ROUTE, get_json, measurement_server
     from vllm_lowbit_kv.schemes import get_scheme
 
@@ -391,10 +394,12 @@ def test_vllm_serves_rvq_like_the_reference(tiny_codebook, model_dir):
     bits = get_scheme("rvq4x256").with_params(**fields).effective_bits(64, model_kv_heads=90)
     assert get_scheme("rvq4x256").effective_bits(64, model_kv_heads=90) == 1.25 < bits
     server = measurement_server(model_dir, "rvq4x256", chunk=C, max_model_len=1024, kv_space_gib=1,
-                                max_num_seqs=2, additional_config=params).launch()
+                                max_num_seqs=2, additional_config=params,
+                                extra_args=FLOAT32_WEIGHTS).launch()
     try:
-        hf = HFEngine(model_dir, "rvq4x256", params=params).logprobs_teacher_forced(ids, C)
-        bf16 = HFEngine(model_dir, "bfloat16").logprobs_teacher_forced(ids, C)
+        hf = HFEngine(model_dir, "rvq4x256", params=params,
+                      dtype=torch.float32).logprobs_teacher_forced(ids, C)
+        exact = HFEngine(model_dir, REFERENCE, dtype=torch.float32).logprobs_teacher_forced(ids, C)
         server.wait_ready()
         log = server.log_text()
         assert "lowbit-kv: --kv-cache-dtype rvq4x256" in log and "outside the pages: codebooks" in log
@@ -407,11 +412,12 @@ def test_vllm_serves_rvq_like_the_reference(tiny_codebook, model_dir):
     finally:
         server.stop()
     later = slice(C - 1, None)  # positions that read the packed cache
-    ppl = {k: math.exp(-v[later].mean().item()) for k, v in (("hf", hf), ("vllm", vl), ("bf16", bf16))}
+    ppl = {k: math.exp(-v[later].mean().item()) for k, v in (("hf", hf), ("vllm", vl), ("exact", exact))}
     print(ppl, repr(text))
-    damage = abs(math.log(ppl["hf"] / ppl["bf16"]))
+    damage = abs(math.log(ppl["hf"] / ppl["exact"]))
     assert damage > 0.01, ppl  # the codec really acts
-    assert abs(math.log(ppl["vllm"] / ppl["hf"])) <= max(0.25 * damage, 0.02), ppl
-    assert ppl["vllm"] < 2 * ppl["bf16"], ppl
+    # float32 engines: 26.90723 vs 26.90713 here; a codebook or code difference moves it by far more
+    assert abs(math.log(ppl["vllm"] / ppl["hf"])) <= max(0.1 * damage, 0.005), ppl
+    assert ppl["vllm"] < 2 * ppl["exact"], ppl
     words = text.split()
     assert len(words) >= 12 and len(set(words)) >= 8, text  # fluent, not a collapsed loop
