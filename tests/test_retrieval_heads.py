@@ -34,8 +34,9 @@ def test_calibration_prompts_hide_the_key_in_held_out_text(model_dir):
 
 
 @pytest.mark.slow
-def test_scores_are_sparse_cached_and_reused(model_dir, monkeypatch, tmp_path):
-    monkeypatch.setenv("VLLM_LOWBIT_KV_CACHE", str(tmp_path))
+def test_scores_are_sparse_cached_and_reused(model_dir, monkeypatch):
+    """In the machine's cache, as served: measured here or by the first server of the
+    session with retrieval heads (vidkv's default), once (a minute of CI each time)."""
     scores = rh.model_scores(model_dir)
     assert scores.shape == (30, 3)
     # few heads retrieve: the best ones put most of their mass on the needle, most none
