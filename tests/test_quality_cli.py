@@ -183,7 +183,7 @@ def test_scheme_params_reach_the_codecs_and_codebooks_are_recorded(tiny, tmp_pat
     path = books.save(tmp_path / "tiny.safetensors")
     params = json.dumps({"rvq2x256": {"codebook": str(path), "codebook_size": 16}})
     base = ["--model", str(model_dir), "--text-file", str(text), "--max-tokens", "200", "--chunk", "64",
-            "--passkey-lengths", "none", "--agreement-prompts", "0", "--no-progress"]
+            "--passkey-lengths", "none", "--agreement-prompts", "0", "--chat-prompts", "0", "--no-progress"]
     res = quality.main([*base, "--kv-cache-dtype", "rvq2x256", "--scheme-params", params])
     row = res["rows"][1]
     assert row["effective_bits"] == (2 * 2 * 4 + 16) / 64  # 2 codebooks of 16 codes, 2 groups, fp16 std
