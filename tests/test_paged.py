@@ -36,7 +36,7 @@ def make(scheme="kivi2", T=16, block_size=32, num_blocks=64, slots=8, sinks=0, q
 
 def fake_quant(layout, k_seq, v_seq, sinks=0, upto=None, window=0):
     """Every group complete within the first ``upto`` tokens (default: all) through the
-    codec (group 0's sink rows replaced by the mean of its other rows before encoding),
+    codec (group 0's sink rows replaced by copies of its first other row before encoding),
     except the last ``window`` of them (the residual window); sink positions and the rest
     exact."""
     T = layout.T
@@ -47,7 +47,7 @@ def fake_quant(layout, k_seq, v_seq, sinks=0, upto=None, window=0):
         tk = k_seq[: n * T].float().reshape(n, T, H, D).clone()
         tv = v_seq[: n * T].float().reshape(n, T, H, D).clone()
         if 0 < sinks < T:
-            tk[0, :sinks], tv[0, :sinks] = tk[0, sinks:].mean(0), tv[0, sinks:].mean(0)
+            tk[0, :sinks], tv[0, :sinks] = tk[0, sinks], tv[0, sinks]
         dk, dv = layout.decode(layout.encode(tk, tv))
         kk[: n * T], vv[: n * T] = dk.reshape(-1, H, D), dv.reshape(-1, H, D)
     kk[:sinks], vv[:sinks] = k_seq[:sinks].float(), v_seq[:sinks].float()

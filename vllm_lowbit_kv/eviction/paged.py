@@ -109,9 +109,9 @@ def request_context(layout: PagedLayout, pages: torch.Tensor, staging: Staging, 
 def write_compacted(layout: PagedLayout, pages: torch.Tensor, block_ids, k: torch.Tensor,
                     v: torch.Tensor) -> None:
     """Encode kept pairs K, V [c, H, D] (c a multiple of T, in position order, the sequence's
-    sinks first) into the first c / T groups of the request's blocks. Sink rows take the
-    mean of their group's other rows for the statistics, as :func:`~vllm_lowbit_kv.paged.apply_writes`
-    does (reads take them from the sink area)."""
+    sinks first) into the first c / T groups of the request's blocks. Sink rows are
+    masked for the statistics (:func:`~vllm_lowbit_kv.paged.mask_sink_rows`), as
+    :func:`~vllm_lowbit_kv.paged.apply_writes` does (reads take them from the sink area)."""
     T = layout.T
     c = k.shape[0]
     require(c % T == 0, "compacted pairs", f"a multiple of the group tokens ({T})", c)

@@ -16,8 +16,8 @@ Storage, per layer and per sequence (tokens in position order)::
 
 * The first ``sink_tokens`` tokens (attention sinks) are also kept in the model
   dtype and read from there, as the vLLM pages do (:mod:`vllm_lowbit_kv.paged`):
-  block 0 is coded with the sink rows replaced by the mean of its other rows,
-  so they do not stretch its statistics.
+  block 0 is coded with the sink rows replaced by copies of its first other
+  row, so they do not stretch its statistics.
 * Every complete group of ``block_tokens`` tokens (from position 0) is encoded
   by the scheme's key and value codecs, and only the packed bytes are kept
   (``[B, n_blocks, kv_heads, nbytes]`` uint8, exactly ``codec.nbytes`` per

@@ -44,8 +44,8 @@ sequence are also kept exactly, in the model dtype, in the sink area of the
 sequence's first block (every page carries the area, used only in a
 sequence's first block: that is what makes it survive prefix caching, where a
 cached first block is shared as bytes). The group holding them (group 0) is
-still encoded when it fills, with the sink rows replaced by the per-channel
-mean of its other rows so they do not stretch its statistics (and never win
+still encoded when it fills, with the sink rows replaced by copies of its
+first other row so they do not stretch its statistics (and never win
 STP protection); reads take positions < s from the sink area.
 
 Relevance (STP). For codecs with ``uses_relevance``: the relevance of a token is

@@ -187,13 +187,17 @@ class PagedLayout(PageBits):
 
 
 def mask_sink_rows(group: torch.Tensor, sinks: int, dim: int = 0) -> torch.Tensor:
-    """Set the first ``sinks`` rows (along ``dim``) of a sequence's group 0 to the mean of
-    its other rows, in place, and return it: the sinks are read exactly from elsewhere, so
-    they must not stretch the group's statistics. A group of sinks only is left as is."""
+    """Set the first ``sinks`` rows (along ``dim``) of a sequence's group 0 to copies of
+    its first other row, in place, and return it: the sinks are read exactly from
+    elsewhere, so they must not stretch the group's statistics. A copy of a real row
+    keeps every per-channel range; the other rows' mean would not do, it is exactly
+    the threshold of VidKV's 1-bit "mean" split, where float rounding (which differs
+    between engines and devices) would pick the rows' bit and with it the levels of
+    the whole channel. A group of sinks only is left as is."""
     T = group.shape[dim]
     if 0 < sinks < T:
         rows = group.narrow(dim, 0, sinks)
-        rows.copy_(group.narrow(dim, sinks, T - sinks).mean(dim, keepdim=True).expand_as(rows))
+        rows.copy_(group.narrow(dim, sinks, 1).expand_as(rows))
     return group
 
 

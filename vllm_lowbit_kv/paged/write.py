@@ -123,9 +123,8 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
 
     Runs before :func:`stage_tokens` of the same step: completed groups read their
     earlier tokens from staging slots that this very step may hand to a new group.
-    Groups with sink rows are encoded on the CPU whatever the device (see below), the
-    others on the tensors' device. A model in bf16 / fp16 (serving) encodes on the CPU
-    with the C++ encoder where it runs; float32, the engines' parity mode, keeps the
+    Groups encode on the tensors' device. A model in bf16 / fp16 (serving) encodes on
+    the CPU with the C++ encoder where it runs; float32, the engines' parity mode, keeps the
     codecs, the transformers cache's own arithmetic (the C++ encoder may put a code on the
     other side of its threshold, within float32 rounding, which moves the next layers).
     """
@@ -153,45 +152,25 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
         tk, tv = tk[rows], tv[rows]
         relevance = None if relevance is None else relevance[rows]
         sinks, gids = sinks[rows.to(sinks.device)], gids[rows.to(gids.device)]
-    with_sinks = torch.nonzero(sinks > 0).flatten().cpu()  # plans stay on the CPU
-    if with_sinks.numel() == 0:
-        layout.write_states(pages, gids, layout.encode(tk, tv, relevance, cpp))
-        return
-    # Groups with sink rows are encoded on the CPU, whatever the device: their sink rows
-    # sit at the mean of the other rows, exactly on the threshold of the 1-bit "mean"
-    # split (VidKV keys), where float rounding (which differs between devices) picks
-    # their bit, and with it the levels of every other token of the channel. Their
-    # inputs are exact copies of the tokens, so every device stores the bytes the CPU
-    # does. Only a sequence's first group has sink rows.
-    rest = torch.ones(sinks.numel(), dtype=torch.bool, device="cpu")
-    rest[with_sinks] = False
-    rest = torch.nonzero(rest).flatten()
-    host = lambda x: None if x is None else x[with_sinks.to(x.device)].cpu()  # noqa: E731
-    sk, sv, srel = _mask_sinks(host(tk), host(tv), host(relevance),
-                               sinks[with_sinks.to(sinks.device)].tolist())
-    states = layout.encode(sk, sv, srel, cpp).to(pages.device)
-    if rest.numel():
-        pick = lambda x: None if x is None else x[rest.to(x.device)]  # noqa: E731
-        states = torch.cat([states, layout.encode(pick(tk), pick(tv), pick(relevance), cpp)])
-        order = torch.cat([with_sinks, rest])
-        gids = gids[order.to(gids.device)]
-    else:
-        gids = gids[with_sinks.to(gids.device)]
-    layout.write_states(pages, gids, states)
+    relevance = _mask_sinks(tk, tv, relevance, sinks)
+    layout.write_states(pages, gids, layout.encode(tk, tv, relevance, cpp))
 
 
 def _mask_sinks(tk: torch.Tensor, tv: torch.Tensor, relevance: torch.Tensor | None,
-                sinks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Groups [G, T, H, D] (+ relevance [G, T, H]) whose first ``sinks[g]`` rows are sink
-    tokens: those rows at the mean of the group's other rows (:func:`mask_sink_rows`, in
-    place) and at :data:`SINK_RELEVANCE` (a copy)."""
-    relevance = None if relevance is None else relevance.clone()
-    for g, s in enumerate(sinks):
+                sinks: torch.Tensor) -> torch.Tensor | None:
+    """Groups [G, T, H, D] whose first ``sinks[g]`` rows are sink tokens: those rows
+    masked (:func:`mask_sink_rows`, in place), and the relevance [G, T, H] returned with
+    them at :data:`SINK_RELEVANCE` (a copy; never protected)."""
+    with_sinks = torch.nonzero(sinks > 0).flatten().tolist()  # plans stay on the CPU
+    if with_sinks and relevance is not None:
+        relevance = relevance.clone()
+    for g in with_sinks:
+        s = int(sinks[g])
         mask_sink_rows(tk[g], s)
         mask_sink_rows(tv[g], s)
         if relevance is not None:
             relevance[g, :s] = SINK_RELEVANCE
-    return tk, tv, relevance
+    return relevance
 
 
 def write_sink_tokens(plan: WritePlan, layout: PagedLayout, key: torch.Tensor,
