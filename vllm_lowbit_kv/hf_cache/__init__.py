@@ -15,7 +15,8 @@ Storage, per layer and per sequence (tokens in position order)::
       packed uint8 (codec)      model dtype, < block_tokens tokens
 
 * The first ``sink_tokens`` tokens (attention sinks) are also kept in the model
-  dtype and read from there, as the vLLM pages do (:mod:`vllm_lowbit_kv.paged`):
+  dtype and read from there once their block is packed (before, as staged), as the
+  vLLM pages do (:mod:`vllm_lowbit_kv.paged`):
   block 0 is coded with the sink rows replaced by copies of its first other
   row, so they do not stretch its statistics.
 * Every complete group of ``block_tokens`` tokens (from position 0) is encoded

@@ -211,7 +211,9 @@ class LowBitLayer(DynamicLayer):
 
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cached token as attention sees it: decode(blocks before the window) ++ the
-        window's blocks exact ++ tail, the sink positions exact."""
+        window's blocks as staged ++ tail as staged; the sink positions exact once group 0
+        is read from its packed block (before, they are read as staged, as the pages'
+        read plans do: ``skip_tokens``)."""
         ks, vs = [], []
         n_packed = self.n_blocks - self.n_window
         if n_packed:
@@ -223,8 +225,9 @@ class LowBitLayer(DynamicLayer):
         ks.append(self.keys)
         vs.append(self.values)
         k, v = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
-        n = self.sink_k.shape[-2]  # sink positions are read from their exact copies
-        k[:, :, :n], v[:, :, :n] = self.sink_k, self.sink_v
+        if n_packed:  # sink positions are read from their exact copies
+            n = self.sink_k.shape[-2]
+            k[:, :, :n], v[:, :, :n] = self.sink_k, self.sink_v
         return k, v
 
     @property

@@ -46,7 +46,8 @@ sequence's first block: that is what makes it survive prefix caching, where a
 cached first block is shared as bytes). The group holding them (group 0) is
 still encoded when it fills, with the sink rows replaced by copies of its
 first other row so they do not stretch its statistics (and never win
-STP protection); reads take positions < s from the sink area.
+STP protection); once group 0 is packed, reads take positions < s from the sink
+area (before, the staged group holds them as staged: ``ReadPlan.skip_tokens``).
 
 Relevance (STP). For codecs with ``uses_relevance``: the relevance of a token is
 the attention mass it receives from the *observation window*, the last
