@@ -52,7 +52,8 @@ e0:
 * damage profile: per-position damage of the two engines correlates >= 0.95.
 
 One server per configuration (auto, kivi2 rotated, vidkv_paper, vidkv), launched
-together at the start of the session and stopped after. The float32 servers also hold
+together at the module's first test and stopped after its last (about 14 GB together:
+held for the whole session they starved the other worker's servers). The float32 servers also hold
 what a float32 model needs of the backend: the sink area and the staging hold
 model-dtype values, so a page's size depends on the model dtype, and vLLM asks for the
 page size (``customize_spec``) outside its config context, where the backend once
@@ -106,7 +107,7 @@ def prompt(model_dir):
     return ids
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def servers(model_dir):
     """The reference's and every scheme's server, float32, booting in parallel (HF runs
     meanwhile)."""
@@ -123,7 +124,7 @@ def servers(model_dir):
             s.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def logprobs(servers, model_dir, prompt):
     hf = {n: HFEngine(model_dir, CONFIGS[n][0] if n in CONFIGS else HF_REFERENCE,
                       params=CONFIGS.get(n, (n, {}))[1], dtype=torch.float32)
