@@ -653,7 +653,7 @@ def plot(rows: list[dict], path: str | Path, title: str) -> None:
     ax.yaxis.set_minor_formatter(plain)
     ax.set_xlim(min([1.0] + [0.9 * x for x, _ in xy]), 20)
     ax.set_xlabel(f"effective bits per KV element at {BITS_AT_TOKENS:,} tokens "
-                  "(pages + bf16 staging, every stored byte)")
+                  "(pages + staging, every stored byte)")
     ax.set_ylabel("teacher-forced chunked perplexity / bf16's (log)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
