@@ -251,5 +251,7 @@ class VllmEngine(Engine):
             rep["server"] = self.server.cache_info()
             rep["server"]["served_bits"] = self.server.served_bits()
             rep["server"]["startup_s"] = self.server.startup_s
-            rep["server"]["kv_space_gib"] = int(self.server.env()["VLLM_CPU_KVCACHE_SPACE"])
+            space = self.server.env().get("VLLM_CPU_KVCACHE_SPACE")  # None: --kv-cache-memory-bytes
+            if space is not None:
+                rep["server"]["kv_space_gib"] = int(space)
         return rep

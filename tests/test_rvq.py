@@ -382,7 +382,7 @@ def test_vllm_serves_rvq_like_the_reference(tiny_codebook, model_dir):
     from transformers import AutoTokenizer
 
     from vllm_lowbit_kv.corpus import default_text
-    from _servers import FLOAT32_WEIGHTS
+    from _servers import FLOAT32_WEIGHTS, SMALL_KV_BYTES
     from bench.quality import REFERENCE, HFEngine
     from bench.server import STATS_ROUTE, get_json, measurement_server
     from vllm_lowbit_kv.schemes import get_scheme
@@ -393,8 +393,8 @@ def test_vllm_serves_rvq_like_the_reference(tiny_codebook, model_dir):
     params = {"codebook": str(tiny_codebook), **fields}
     bits = get_scheme("rvq4x256").with_params(**fields).effective_bits(64, model_kv_heads=90)
     assert get_scheme("rvq4x256").effective_bits(64, model_kv_heads=90) == 1.25 < bits
-    server = measurement_server(model_dir, "rvq4x256", chunk=C, max_model_len=1024, kv_space_gib=1,
-                                max_num_seqs=2, additional_config=params,
+    server = measurement_server(model_dir, "rvq4x256", chunk=C, max_model_len=1024,
+                                kv_cache_bytes=SMALL_KV_BYTES, max_num_seqs=2, additional_config=params,
                                 extra_args=FLOAT32_WEIGHTS).launch()
     try:
         hf = HFEngine(model_dir, "rvq4x256", params=params,

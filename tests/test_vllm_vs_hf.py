@@ -70,7 +70,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from _servers import FLOAT32_WEIGHTS  # noqa: E402
+from _servers import FLOAT32_WEIGHTS, SMALL_KV_BYTES  # noqa: E402
 from bench.quality import REFERENCE as HF_REFERENCE  # noqa: E402
 from bench.quality import HFEngine  # noqa: E402
 from bench.server import measurement_server  # noqa: E402
@@ -112,7 +112,7 @@ def servers(model_dir):
     """The reference's and every scheme's server, float32, booting in parallel (HF runs
     meanwhile)."""
     srv = {n: measurement_server(model_dir, CONFIGS.get(n, (n,))[0], chunk=C, max_model_len=1024,
-                                 kv_space_gib=1, max_num_seqs=2, additional_config=CONFIGS.get(n, (n, {}))[1],
+                                 kv_cache_bytes=SMALL_KV_BYTES, max_num_seqs=2, additional_config=CONFIGS.get(n, (n, {}))[1],
                                  extra_args=FLOAT32_WEIGHTS)
            for n in DTYPES}
     try:
@@ -182,7 +182,7 @@ def test_codec_logprobs_match_hf(logprobs, scheme):
 
 def test_engine_greedy_and_memory_report(servers, model_dir, prompt, logprobs):
     """VllmEngine over a running server: greedy ids, capacity and bytes per token."""
-    eng = VllmEngine(model_dir, "kivi2", max_model_len=1024, kv_space_gib=1,
+    eng = VllmEngine(model_dir, "kivi2", max_model_len=1024,
                      params=CONFIGS["kivi2@hadamard"][1])
     server = eng.server = servers["kivi2@hadamard"].wait_ready()  # reuse: same dtype and chunk
     out = eng.greedy(prompt[:200], 6, C)
@@ -193,12 +193,12 @@ def test_engine_greedy_and_memory_report(servers, model_dir, prompt, logprobs):
     assert mem["tokens"] == 206
     assert mem["compression"] == pytest.approx(16 / eng.effective_bits())
     srv = mem["server"]
-    assert srv["cache_dtype"] == "kivi2" and srv["kv_cache_memory_bytes"] == 2**30
-    # vLLM's allocator: whole blocks of pages within 1 GiB less the staging (float32 here),
+    assert srv["cache_dtype"] == "kivi2" and srv["kv_cache_memory_bytes"] == SMALL_KV_BYTES
+    # vLLM's allocator: whole blocks of pages within the budget less the staging (float32 here),
     # as the server's start-up line splits the budget
     budget = re.search(r"KV cache budget ([\d.]+) MiB = ([\d.]+) MiB of pages \+ ([\d.]+) MiB of "
                        r"staging", server.log_text())
-    assert budget and float(budget[1]) == 1024 and float(budget[3]) > 0, budget
+    assert budget and float(budget[1]) == SMALL_KV_BYTES / 2**20 and float(budget[3]) > 0, budget
     pages_bytes = float(budget[2]) * 2**20
     assert srv["capacity_tokens"] <= pages_bytes / eng.bytes_per_token()
     assert srv["capacity_tokens"] == pytest.approx(pages_bytes / eng.bytes_per_token(), rel=0.01)
