@@ -72,11 +72,12 @@ def test_gpu_script_dry_run(tmp_path):
 
 @pytest.mark.slow  # SmolLM2 through the paged forward on the CPU (what the GPU run does on CUDA)
 def test_paged_forward_cli_on_the_cpu(tmp_path):
-    """float32 weights: five 512-token passes of bf16 GEMMs take minutes on a CPU without
-    AVX-512 BF16 (about 5x float32's time), and the CLI's path is the same."""
+    """The command line and its JSON (the engines' agreement is the test above): float32
+    weights, since five passes of bf16 GEMMs take minutes on a CPU without AVX-512 BF16
+    (about 5x float32's time); two chunks of 128 tokens, so that the second reads a page."""
     out = tmp_path / "forward.json"
     r = subprocess.run([sys.executable, "-m", "bench.paged_forward", "--device", "cpu",
-                        "--tokens", "512", "--dtype", "float32", "--json", str(out)],
+                        "--tokens", "256", "--chunk", "128", "--dtype", "float32", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())["rows"]
