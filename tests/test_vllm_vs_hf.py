@@ -52,8 +52,9 @@ e0:
 * damage profile: per-position damage of the two engines correlates >= 0.95.
 
 One server per configuration (auto, kivi2 rotated, vidkv_paper, vidkv), launched
-together at the module's first test and stopped after its last (about 14 GB together:
-held for the whole session they starved the other worker's servers). The float32
+together at the module's first test and stopped after its last (held for the whole
+session they starved the other worker's servers), each with 128 MiB of KV memory
+(``SMALL_KV_BYTES``; at vLLM's GiB the four held about 14 GB together). The float32
 servers also hold what a float32 model needs of the backend: the sink area and the
 staging hold model-dtype values, so a page's size depends on the model dtype, and vLLM
 asks for the page size (``customize_spec``) outside its config context, where the backend once
