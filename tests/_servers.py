@@ -43,7 +43,7 @@ SHARED_SERVER_MODULES = ("test_kv_stats.py", "test_load_fault.py", "test_prefix_
 #: float32's time (512x576 by 576x1536, one thread: 115 vs 21 ms), and long prefills
 #: dominate those tests. The shared server and the dtype-bound comparisons stay bf16.
 FLOAT32_WEIGHTS = ["--dtype", "float32"]
-#: KV memory of a measurement server that holds a couple of short sequences (about 2,800
+#: KV memory of a measurement server that holds a couple of short sequences (about 2,900
 #: float32 tokens of the reference): vLLM touches all of it at start-up, and at the default
 #: GiB the test modules' servers took CI's 24 GiB to its last 1.5 GiB
 SMALL_KV_BYTES = 128 << 20

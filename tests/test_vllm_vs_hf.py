@@ -113,8 +113,8 @@ def servers(model_dir):
     """The reference's and every scheme's server, float32, booting in parallel (HF runs
     meanwhile)."""
     srv = {n: measurement_server(model_dir, CONFIGS.get(n, (n,))[0], chunk=C, max_model_len=1024,
-                                 kv_cache_bytes=SMALL_KV_BYTES, max_num_seqs=2, additional_config=CONFIGS.get(n, (n, {}))[1],
-                                 extra_args=FLOAT32_WEIGHTS)
+                                 kv_cache_bytes=SMALL_KV_BYTES, max_num_seqs=2,
+                                 additional_config=CONFIGS.get(n, (n, {}))[1], extra_args=FLOAT32_WEIGHTS)
            for n in DTYPES}
     try:
         for s in srv.values():
