@@ -58,3 +58,12 @@ def test_vidkv_invalid_params_name_the_field(params, field):
 
 def test_every_scheme_has_a_summary():
     assert all(s.summary for s in SCHEMES.values())
+
+
+def test_effective_bits_at_counts_the_sink_area_in_the_model_dtype():
+    """The pages hold the sink rows in the model dtype: a float32 model's cost twice bf16's."""
+    scheme = get_scheme("kivi2").with_params(sink_tokens=4, staging_dtype="int8")
+    tokens, head_dim = scheme.page_size, 64
+    f32, bf16 = (scheme.effective_bits_at(tokens, head_dim, model_dtype_bytes=b) for b in (4, 2))
+    extra_sink_bytes = 2 * 4 * head_dim * (4 - 2)  # K and V rows of 4 sinks, per head
+    assert f32 - bf16 == pytest.approx(extra_sink_bytes * 8 / (tokens * 2 * head_dim))

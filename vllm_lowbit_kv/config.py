@@ -335,10 +335,9 @@ class LowBitKVConfig(BaseModel):
         ``skip_layers`` in the model dtype), ``at_context`` (one sequence of L tokens, L in
         :data:`BITS_AT_CONTEXTS`: its pages plus its staging, residual window and partial
         group in the scheme's ``staging_dtype``, over all layers); ``layout`` is the page layout."""
-        from .paged import PagedLayout
-        import torch
+        from .paged import PagedLayout, sink_dtype
 
-        dtype = {2: torch.bfloat16, 4: torch.float32}.get(model_dtype_bytes, torch.bfloat16)
+        dtype = sink_dtype(model_dtype_bytes)
         n_skip = len(self.skip_layers)
         heads = (num_layers - n_skip) * num_kv_heads  # KV heads of the packed layers
         share = scheme.retrieval_share(heads)

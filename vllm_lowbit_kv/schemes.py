@@ -149,14 +149,16 @@ class KVScheme:
                           model_dtype_bytes: int = 2, model_kv_heads: int | None = None) -> float:
         """Honest bits per element of one sequence of ``context_tokens`` tokens: every page
         byte of its blocks of ``block_size`` tokens (default :attr:`page_size`; sink area
-        and padding included) plus its staging (residual window and partial group,
-        :attr:`staged_groups` groups in :attr:`staging_dtype`, as allocated), over its K and V
-        elements; with retrieval heads, over all ``model_kv_heads`` of the model."""
-        from .paged import PagedLayout
+        in the model dtype and padding included) plus its staging (residual window and
+        partial group, :attr:`staged_groups` groups in :attr:`staging_dtype`, as allocated),
+        over its K and V elements; with retrieval heads, over all ``model_kv_heads`` of the
+        model."""
+        from .paged import PagedLayout, sink_dtype
 
         T = self.block_tokens
         block_size = block_size or self.page_size
-        head_page = sum(w * PagedLayout(kc, vc, 1, block_size, self.sink_tokens).page_bytes
+        sinks = sink_dtype(model_dtype_bytes)
+        head_page = sum(w * PagedLayout(kc, vc, 1, block_size, self.sink_tokens, sinks).page_bytes
                         for w, (kc, vc) in self._weighted_codecs(head_dim, model_kv_heads))
         blocks = -(-context_tokens // block_size)
         staged = self.staged_groups * T * 2 * head_dim * staged_bytes_per_element(

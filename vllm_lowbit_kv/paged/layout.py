@@ -57,6 +57,12 @@ def protected_visual(visual: torch.Tensor, rows: int, first: str = "visual",
     return torch.minimum(n_visual, (rows - text.sum(dim=1)).clamp(min=0))
 
 
+def sink_dtype(model_dtype_bytes: int) -> torch.dtype:
+    """The dtype of the sink area of a model whose K/V take ``model_dtype_bytes`` bytes per
+    element (float32: 4; bf16 or fp16: 2, one size)."""
+    return {4: torch.float32}.get(model_dtype_bytes, torch.bfloat16)
+
+
 class PageBits:
     """Honest size figures of a layer's pages (``page_bytes`` per ``block_size`` tokens of
     ``H`` KV heads of ``D`` channels)."""
