@@ -30,7 +30,7 @@ import torch
 from bench import machine
 from vllm_lowbit_kv.ops import select_implementation
 from vllm_lowbit_kv.paged import (HeadSplitLayout, Staging, StagingAllocator, forward_layer,
-                                  forward_split_layer, scheme_layout)
+                                  forward_split_layer)
 from vllm_lowbit_kv.retrieval_heads import model_retrieval_heads, part_implementations
 from vllm_lowbit_kv.schemes import KVScheme, get_scheme
 
@@ -57,7 +57,7 @@ class PagedModel:
         # layers with retrieval heads hold pages of two formats, as in the vLLM backend
         retrieval = model_retrieval_heads(model.config._name_or_path, scheme.retrieval_heads) \
             if scheme.retrieval_heads else {}
-        self.layouts = [scheme_layout(scheme, D, H, bs, model.dtype, layer=layer,
+        self.layouts = [scheme.layout(D, H, bs, model.dtype, layer=layer,
                                       retrieval_heads=retrieval.get(layer, ()))
                         for layer in range(cfg.num_hidden_layers)]
         self.obs_window = OBS_WINDOW if scheme.uses_relevance else None
@@ -70,9 +70,9 @@ class PagedModel:
                         for _ in self.layouts]
         self.alloc = StagingAllocator(slots, T, scheme.sink_tokens, scheme.residual_tokens // T)
         self.attention_impl, self.packed_attention = select_implementation(
-            scheme_layout(scheme, D, H, bs), device, attention_impl, gqa=Hq // H)
+            scheme.layout(D, H, bs), device, attention_impl, gqa=Hq // H)
         retrieval_attention = select_implementation(
-            scheme_layout(scheme, D, H, bs, retrieval_heads=tuple(range(H))), device,
+            scheme.layout(D, H, bs, retrieval_heads=tuple(range(H))), device,
             attention_impl, gqa=Hq // H)[1] if scheme.retrieval_heads else None
         #: per layer, the implementation reading each part of its pages (as the backend)
         self.part_attention = [part_implementations(retrieval.get(layer, ()), H,

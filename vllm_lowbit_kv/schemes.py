@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from .codecs.base import BlockCodec, ModelIdentity, require
 from .codecs.dynamic import DynamicCodec
@@ -23,6 +25,9 @@ from .codecs.quantile1 import QuantileCodec
 from .codecs.rvq import RVQKeyCodec, RVQValueCodec
 from .codecs.vidkv import TernaryValueCodec, VidKVKeyCodec, require_protect_first
 from .rotation import ROTATIONS, HadamardRotation
+
+if TYPE_CHECKING:
+    from .paged import HeadSplitLayout, PagedLayout
 
 #: KIVI's and VidKV's full-precision residual (R = 128 tokens)
 DEFAULT_RESIDUAL_TOKENS = 128
@@ -164,6 +169,26 @@ class KVScheme:
         staged = self.staged_groups * T * 2 * head_dim * staged_bytes_per_element(
             self.staging_dtype, head_dim, model_dtype_bytes)
         return (blocks * head_page + staged) * 8 / (context_tokens * 2 * head_dim)
+
+    def layout(self, head_dim: int, num_kv_heads: int, block_size: int,
+               dtype: torch.dtype = torch.bfloat16, layer: int | None = None,
+               retrieval_heads: tuple[int, ...] = ()) -> PagedLayout | HeadSplitLayout:
+        """The pages of one layer (sink area in ``dtype``): a
+        :class:`~vllm_lowbit_kv.paged.PagedLayout` of the scheme's codecs, or, when the layer
+        has ``retrieval_heads`` (KV heads coded by the retrieval codecs,
+        :mod:`vllm_lowbit_kv.retrieval_heads`), a :class:`~vllm_lowbit_kv.paged.HeadSplitLayout`
+        (the other heads, then those). ``layer`` reaches codecs and rotations with per-layer
+        state."""
+        from .paged import HeadSplitLayout, PagedLayout
+        from .retrieval_heads import layer_parts
+
+        def part(retrieval: bool, heads: int) -> PagedLayout:
+            kc, vc = (self.retrieval_codecs if retrieval else self.codecs)(head_dim, layer=layer)
+            return PagedLayout(kc, vc, heads, block_size, self.sink_tokens, dtype,
+                               self.rotation(head_dim, layer), self.protect_first)
+        parts = layer_parts(retrieval_heads, num_kv_heads)
+        layouts = [part(retrieval, len(heads)) for retrieval, heads in parts]
+        return layouts[0] if len(parts) == 1 else HeadSplitLayout(layouts, [hs for _, hs in parts])
 
     def rotation(self, head_dim: int, layer: int | None) -> HadamardRotation | None:
         """The head-vector rotation of ``layer`` (None: not rotated)."""

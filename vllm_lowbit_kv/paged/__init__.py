@@ -73,7 +73,7 @@ Each step: :meth:`StagingAllocator.plan_step` (once, for all layers) gives a
 from .attention import attend, attention_mass, context_keys, exact_attention
 from .forward import forward_layer, forward_split_layer
 from .layout import (SINK_RELEVANCE, HeadSplitLayout, PagedLayout, mask_sink_rows,
-                     protected_visual, rank_protected, scheme_layout, sink_dtype)
+                     protected_visual, rank_protected, sink_dtype)
 from .plan import ExactBatch, ReadPlan, StagingAllocator, WritePlan, make_read_plan
 from .write import Staging, StagedTokens, apply_writes, encode_groups, stage_tokens
 
@@ -82,6 +82,6 @@ __all__ = [
     "Staging",
     "StagingAllocator", "WritePlan", "apply_writes", "attend", "attention_mass", "context_keys",
     "encode_groups", "exact_attention", "forward_layer", "forward_split_layer", "make_read_plan",
-    "mask_sink_rows", "protected_visual", "rank_protected", "scheme_layout", "sink_dtype",
+    "mask_sink_rows", "protected_visual", "rank_protected", "sink_dtype",
     "stage_tokens",
 ]

@@ -3,8 +3,6 @@ sink area every page carries (the first step of a KV block's trip, see the packa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..codecs.base import BlockCodec, require
@@ -12,9 +10,6 @@ from ..codecs.vidkv import require_protect_first
 from ..ops.cpu import encode_states
 from ..ops.page_format import PageFormat
 from ..rotation import HadamardRotation
-
-if TYPE_CHECKING:
-    from ..schemes import KVScheme
 
 
 #: relevance given to sink rows of group 0: below any attention mass (never protected)
@@ -251,20 +246,3 @@ class HeadSplitLayout(PageBits):
         return [flat[:, a:b].unflatten(1, (p.H, p.head_bytes))
                 for p, a, b in zip(self.parts, self._offsets, self._offsets[1:])]
 
-
-def scheme_layout(scheme: "KVScheme", head_dim: int, num_kv_heads: int, block_size: int,
-                  dtype: torch.dtype = torch.bfloat16, layer: int | None = None,
-                  retrieval_heads: tuple[int, ...] = ()) -> PagedLayout | HeadSplitLayout:
-    """The pages of one layer of ``scheme``: a :class:`PagedLayout` of its codecs, or, when
-    the layer has ``retrieval_heads`` (KV heads coded by the scheme's retrieval codecs,
-    :mod:`vllm_lowbit_kv.retrieval_heads`), a :class:`HeadSplitLayout` (the other heads,
-    then those). ``layer`` reaches codecs and rotations with per-layer state."""
-    from ..retrieval_heads import layer_parts
-
-    def part(retrieval: bool, heads: int) -> PagedLayout:
-        kc, vc = (scheme.retrieval_codecs if retrieval else scheme.codecs)(head_dim, layer=layer)
-        return PagedLayout(kc, vc, heads, block_size, scheme.sink_tokens, dtype,
-                           scheme.rotation(head_dim, layer), scheme.protect_first)
-    parts = layer_parts(retrieval_heads, num_kv_heads)
-    layouts = [part(retrieval, len(heads)) for retrieval, heads in parts]
-    return layouts[0] if len(parts) == 1 else HeadSplitLayout(layouts, [hs for _, hs in parts])

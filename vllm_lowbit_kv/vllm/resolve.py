@@ -11,7 +11,7 @@ from vllm.config import get_current_vllm_config_or_none
 
 from ..config import ADDITIONAL_CONFIG_KEY, LowBitKVConfig
 from ..codecs.quant import staged_bytes_per_element
-from ..paged import HeadSplitLayout, PagedLayout, scheme_layout
+from ..paged import HeadSplitLayout, PagedLayout
 from ..schemes import KVScheme
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def page_layout(scheme: KVScheme, head_size: int, num_kv_heads: int, block_size:
     """The page layout of the scheme's codecs (``retrieval``: of its retrieval heads' codecs)
     over ``num_kv_heads`` heads; codecs with per-layer state (RVQ codebooks) need ``layer``
     to code, the byte layout is the same for every layer."""
-    return scheme_layout(scheme, head_size, num_kv_heads, block_size, dtype, layer,
+    return scheme.layout(head_size, num_kv_heads, block_size, dtype, layer,
                          tuple(range(num_kv_heads)) if retrieval else ())
 
 
@@ -98,7 +98,7 @@ def layer_layout(scheme: KVScheme, head_size: int, num_kv_heads: int, block_size
                  dtype: torch.dtype, layer: int | None) -> PagedLayout | HeadSplitLayout:
     """The pages of one layer: :func:`page_layout`, or for a layer with retrieval heads a
     :class:`~vllm_lowbit_kv.paged.HeadSplitLayout` (the other heads, then those)."""
-    return scheme_layout(scheme, head_size, num_kv_heads, block_size, dtype, layer,
+    return scheme.layout(head_size, num_kv_heads, block_size, dtype, layer,
                          retrieval_layers().get(layer, ()) if layer is not None else ())
 
 
