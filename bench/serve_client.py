@@ -10,7 +10,10 @@ through :func:`bench.server.measurement_server`: ``--enforce-eager``, prefix cac
 off, ``--max-num-seqs`` = ``--prompts``), then ``vllm bench serve --dataset-name random``
 (this package's ``vllm`` console script, vLLM's own client) with a fixed seed, so
 every server gets the same prompts, all sent at once. Per dtype: vLLM's result
-(output tokens/s, TTFT, TPOT, duration) and each as a ratio to bfloat16's. The JSON
+(output tokens/s, TTFT, TPOT, duration) and each as a ratio to bfloat16's, and the
+tokens its KV cache holds in ``--kv-space-gib`` (``kv_capacity_tokens``, vLLM's figure):
+prompts that do not fit at once wait for a running one to finish, so with long prompts
+in a small budget the run measures what the capacity buys, with a large one the kernels. The JSON
 records the command, the machine and the client command; a PNG plots the ratios.
 
 ``--preload on,off`` measures each dtype twice, with the launcher's LD_PRELOAD
@@ -67,10 +70,12 @@ def measure(model: str, dtype: str, args, preload: str = "on") -> dict:
                                f"\n{run.stderr[-3000:]}")
         result = json.loads(next(Path(d).glob("*.json")).read_text())
         impls = s.attention_impls()
+        capacity = s.cache_info().get("capacity_tokens")
         line = PRELOAD_LINE.findall(s.log.read_text())
     ld_preload = portable.portable(line[0]) if line else None  # a repo path as the repo's
-    return dict(dtype=dtype, preload=preload, ld_preload=ld_preload,
-                attention_impls=impls, completed=result["completed"], **{m: result[m] for m in METRICS})
+    return dict(dtype=dtype, preload=preload, ld_preload=ld_preload, attention_impls=impls,
+                kv_capacity_tokens=capacity, completed=result["completed"],
+                **{m: result[m] for m in METRICS})
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -134,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(measure(args.model, dtype, args, preload))
             print(f"{label(rows[-1], [{'preload': x} for x in preloads])}: "
                   f"{rows[-1]['output_throughput']:.2f} output tok/s, median TTFT "
-                  f"{rows[-1]['median_ttft_ms']:.0f} ms", file=sys.stderr, flush=True)
+                  f"{rows[-1]['median_ttft_ms']:.0f} ms, KV cache of "
+                  f"{rows[-1]['kv_capacity_tokens']} tokens", file=sys.stderr, flush=True)
     add_ratios(rows)
     result = dict(
         command=portable.command(["python", "-m", "bench.serve_client", *argv], [args.model]),
@@ -146,7 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     plot(rows, Path(args.png), f"vllm bench serve: {args.prompts} random prompts of "
                                f"{args.input_tokens} tokens, {args.output_tokens} output tokens, "
-                               f"all at once ({result['machine']['cpu']})")
+                               f"all at once, {args.kv_space_gib} GiB of KV "
+                               f"({result['machine']['cpu']})")
     for r in rows:
         print(f"{label(r, rows):>22}: output tok/s x{r['x_bf16']['output_throughput']:.2f}, median TTFT "
               f"x{r['x_bf16']['median_ttft_ms']:.2f}, median TPOT x{r['x_bf16']['median_tpot_ms']:.2f}"
