@@ -13,8 +13,9 @@ every server gets the same prompts, all sent at once. Per dtype: vLLM's result
 (output tokens/s, TTFT, TPOT, duration) and each as a ratio to bfloat16's, and the
 tokens its KV cache holds in ``--kv-space-gib`` (``kv_capacity_tokens``, vLLM's figure):
 prompts that do not fit at once wait for a running one to finish, so with long prompts
-in a small budget the run measures what the capacity buys, with a large one the kernels. The JSON
-records the command, the machine and the client command; a PNG plots the ratios.
+in a small budget the run measures what the capacity buys, with a large one the
+kernels. The JSON records the command, the machine and the client command; a PNG plots
+the ratios.
 
 ``--preload on,off`` measures each dtype twice, with the launcher's LD_PRELOAD
 (tcmalloc, Intel OpenMP: ``LOWBIT_KV_PRELOAD=1``) and without (``LOWBIT_KV_PRELOAD=0``),
