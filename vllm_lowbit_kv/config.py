@@ -335,18 +335,17 @@ class LowBitKVConfig(BaseModel):
         ``skip_layers`` in the model dtype), ``at_context`` (one sequence of L tokens, L in
         :data:`BITS_AT_CONTEXTS`: its pages plus its staging, residual window and partial
         group in the scheme's ``staging_dtype``, over all layers); ``layout`` is the page layout."""
-        from .paged import PagedLayout, sink_dtype
+        from .paged import sink_dtype
 
         dtype = sink_dtype(model_dtype_bytes)
         n_skip = len(self.skip_layers)
         heads = (num_layers - n_skip) * num_kv_heads  # KV heads of the packed layers
         share = scheme.retrieval_share(heads)
-        sinks = min(scheme.sink_tokens, scheme.block_tokens)
-        layout = PagedLayout(*scheme.codecs(head_dim), num_kv_heads, block_size, sinks, dtype)
+        layout = scheme.layout(head_dim, num_kv_heads, block_size, dtype)
         page = layout.bits_per_element
         if share:  # the retrieval heads' pages, weighted by their share of the heads
-            retrieval = PagedLayout(*scheme.retrieval_codecs(head_dim), num_kv_heads, block_size,
-                                    sinks, dtype)
+            retrieval = scheme.layout(head_dim, num_kv_heads, block_size, dtype,
+                                      retrieval_heads=tuple(range(num_kv_heads)))
             page = (1 - share) * page + share * retrieval.bits_per_element
 
         def over_layers(packed: float) -> float:
