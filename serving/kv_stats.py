@@ -265,7 +265,7 @@ class KVStats:
         if not self.lowbit:
             native = NATIVE_BITS.get(self.kv_cache_dtype, 8.0 * self.model_dtype_bytes)
             return None, dict(groups=None, pages=None, overall=native)
-        from vllm_lowbit_kv.kv_stats import scheme_config
+        from vllm_lowbit_kv.vllm.stats import scheme_config
         from vllm_lowbit_kv.vllm.resolve import resolve_config, resolve_scheme
 
         info = SchemeInfo(**scheme_config(self.vllm_config))
@@ -279,7 +279,7 @@ class KVStats:
     # ------------------------------------------------------------------ worker
     async def refresh_worker(self, timeout: float = RPC_TIMEOUT_S) -> None:
         """Ask the worker (rank 0) for its figures; on failure keep the last answer and say why."""
-        from vllm_lowbit_kv.kv_stats import WORKER_METHOD
+        from vllm_lowbit_kv.vllm.stats import WORKER_METHOD
 
         async with self._rpc_lock:
             try:

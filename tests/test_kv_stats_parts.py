@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_lowbit_kv.kv_stats import WORKER_METHOD, EvictionCounter, worker_snapshot
+from vllm_lowbit_kv.vllm.stats import WORKER_METHOD, EvictionCounter, worker_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,6 +10,7 @@ The compute it drives lives elsewhere and imports no vLLM (:mod:`vllm_lowbit_kv.
     resolve   the scheme, lowbit_kv config and page layout a vLLM config asks for
     backend   the attention backend: Backend, MetadataBuilder, Impl
     eviction  the scheduler and worker sides of KV eviction
+    stats     engine-side KV figures for ``/v1/kv_cache/stats`` (staging, evicted pairs)
 
 This module imports no vLLM either: it only names the backend and our dtypes.
 """

@@ -32,7 +32,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..config import LowBitKVConfigError
-from ..kv_stats import ATTENTION_IMPLS, VISUAL
+from .stats import ATTENTION_IMPLS, VISUAL
 from ..ops import select_implementation
 from ..paged import (HeadSplitLayout, PagedLayout, ReadPlan, Staging, StagingAllocator, WritePlan,
                      forward_layer, forward_split_layer,

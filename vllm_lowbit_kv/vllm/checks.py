@@ -22,7 +22,7 @@ from vllm.platforms.interface import PlatformEnum
 
 from ..codecs.base import ModelIdentity
 from ..config import ADDITIONAL_CONFIG_KEY, LowBitKVConfig, LowBitKVConfigError
-from ..kv_stats import scheme_config
+from .stats import scheme_config
 from ..ops import requested_implementation, unsupported_reason
 from ..schemes import KVScheme
 from . import is_lowbit_dtype, scheme_names

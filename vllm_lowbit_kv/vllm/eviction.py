@@ -45,7 +45,7 @@ import torch
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from .. import kv_stats
+from . import stats
 from ..eviction.paged import (PagedEvictionGeometry, compact_request, compacted_read_plan,
                               paged_geometry)
 from .resolve import resolve
@@ -133,7 +133,7 @@ def compact_ordered(runner, scheduler_output, builders) -> None:
         return
     gone = set(scheduler_output.finished_req_ids) | set(
         getattr(scheduler_output, "preempted_req_ids", None) or ())
-    kv_stats.EVICTION.enable()
+    stats.EVICTION.enable()
     policy, _, T = _policy_and_cap(runner.vllm_config)
     ctx = runner.compilation_config.static_forward_context
     names = [n for g in runner.kv_cache_config.kv_cache_groups for n in g.layer_names]
@@ -149,14 +149,14 @@ def compact_ordered(runner, scheduler_output, builders) -> None:
         with torch.inference_mode():
             kept = _compact(geo, policy, T, layers, block_ids, builder)
         dropped = evicted_pairs(geo, kept, [_kv_heads(layer) for layer in layers])
-        kv_stats.EVICTION.record(dropped)
+        stats.EVICTION.record(dropped)
         for i in geo.freed_blocks:  # never ours again: the scheduler handed them back
             block_ids[i] = NULL_BLOCK_ID
         _COMPACTED[int(block_ids[0])] = (geo.keep_from, dict(zip(names, kept)))
         logger.info("lowbit-kv eviction: request %s compacted, kept pairs per layer %d..%d "
                     "(mean %.1f) of %d, dropped %d K/V pairs (%d in this worker so far)", rid,
                     min(kept), max(kept), sum(kept) / len(kept), geo.prompt_tokens, dropped,
-                    kv_stats.EVICTION.evicted_pairs)
+                    stats.EVICTION.evicted_pairs)
 
 
 def evicted_pairs(geo: PagedEvictionGeometry, kept: list[int], kv_heads: list[int]) -> int:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 from vllm.platforms.interface import PlatformEnum
 
-from ..kv_stats import WORKER_METHOD, worker_snapshot
+from .stats import WORKER_METHOD, worker_snapshot
 from . import BACKEND_NAME, BACKEND_PATH, is_lowbit_dtype
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .codecs.base import require
+from ..codecs.base import require
 
 #: name of the worker method the general plugin installs (collective_rpc target)
 WORKER_METHOD = "lowbit_kv_stats"
@@ -82,8 +82,8 @@ def scheme_config(vllm_config: Any) -> dict[str, Any]:
     """The effective configuration of a lowbit-kv ``--kv-cache-dtype``, as the engine runs it,
     from a ``VllmConfig`` that vLLM has checked (:func:`~vllm_lowbit_kv.vllm.checks.check_vllm_config`
     merged ``--kv-cache-dtype-skip-layers`` and set the page size): plain JSON data."""
-    from .config import describe_codec
-    from .vllm.resolve import resolve
+    from ..config import describe_codec
+    from .resolve import resolve
 
     cc, mc = vllm_config.cache_config, vllm_config.model_config
     scheme, cfg = resolve(vllm_config)
