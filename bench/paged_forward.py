@@ -72,7 +72,7 @@ class PagedModel:
         self.attention_impl, self.packed_attention = select_implementation(
             scheme.layout(D, H, bs), device, attention_impl, gqa=Hq // H)
         retrieval_attention = select_implementation(
-            scheme.layout(D, H, bs, retrieval_heads=tuple(range(H))), device,
+            scheme.retrieval_layout(D, H, bs), device,
             attention_impl, gqa=Hq // H)[1] if scheme.retrieval_heads else None
         #: per layer, the implementation reading each part of its pages (as the backend)
         self.part_attention = [part_implementations(retrieval.get(layer, ()), H,

@@ -344,8 +344,7 @@ class LowBitKVConfig(BaseModel):
         layout = scheme.layout(head_dim, num_kv_heads, block_size, dtype)
         page = layout.bits_per_element
         if share:  # the retrieval heads' pages, weighted by their share of the heads
-            retrieval = scheme.layout(head_dim, num_kv_heads, block_size, dtype,
-                                      retrieval_heads=tuple(range(num_kv_heads)))
+            retrieval = scheme.retrieval_layout(head_dim, num_kv_heads, block_size, dtype)
             page = (1 - share) * page + share * retrieval.bits_per_element
 
         def over_layers(packed: float) -> float:

@@ -190,6 +190,14 @@ class KVScheme:
         layouts = [part(retrieval, len(heads)) for retrieval, heads in parts]
         return layouts[0] if len(parts) == 1 else HeadSplitLayout(layouts, [hs for _, hs in parts])
 
+    def retrieval_layout(self, head_dim: int, num_kv_heads: int, block_size: int,
+                         dtype: torch.dtype = torch.bfloat16, layer: int | None = None
+                         ) -> PagedLayout:
+        """The pages of ``num_kv_heads`` heads all coded by the retrieval codecs: the
+        retrieval heads' part of a :meth:`layout`, alone."""
+        return self.layout(head_dim, num_kv_heads, block_size, dtype, layer,
+                           tuple(range(num_kv_heads)))
+
     def rotation(self, head_dim: int, layer: int | None) -> HadamardRotation | None:
         """The head-vector rotation of ``layer`` (None: not rotated)."""
         if self.rotate == "none":

@@ -70,8 +70,8 @@ def page_layout(scheme: KVScheme, head_size: int, num_kv_heads: int, block_size:
     """The page layout of the scheme's codecs (``retrieval``: of its retrieval heads' codecs)
     over ``num_kv_heads`` heads; codecs with per-layer state (RVQ codebooks) need ``layer``
     to code, the byte layout is the same for every layer."""
-    return scheme.layout(head_size, num_kv_heads, block_size, dtype, layer,
-                         tuple(range(num_kv_heads)) if retrieval else ())
+    return (scheme.retrieval_layout if retrieval else scheme.layout)(
+        head_size, num_kv_heads, block_size, dtype, layer)
 
 
 def retrieval_layers(vllm_config: "VllmConfig | None" = None) -> dict[int, tuple[int, ...]]:
