@@ -17,6 +17,12 @@ in a small budget the run measures what the capacity buys, with a large one the
 kernels. The JSON records the command, the machine and the client command; a PNG plots
 the ratios.
 
+``--rounds N`` measures every dtype N times, in turn (bf16, then the others, then bf16
+again, ...): a 2-core machine's speed drifts by 10-20% between minutes, so one run of each
+says little; each row records its ``round`` and its ratios are to bfloat16's row of the
+same round, and ``summary`` gives per dtype the median ratio over the rounds with its
+smallest and largest.
+
 ``--preload on,off`` measures each dtype twice, with the launcher's LD_PRELOAD
 (tcmalloc, Intel OpenMP: ``LOWBIT_KV_PRELOAD=1``) and without (``LOWBIT_KV_PRELOAD=0``),
 one after the other; each row records the launcher's start-up line, its ratios are
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,14 +87,33 @@ def measure(model: str, dtype: str, args, preload: str = "on") -> dict:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """``x_bf16``: to the first row with the same preload setting (bfloat16's);
-    ``x_preload_off``: a preloaded row to the same dtype's row without."""
+    """``x_bf16``: to the first row of the same round with the same preload setting
+    (bfloat16's); ``x_preload_off``: a preloaded row to the same dtype's row without, of the
+    same round."""
+    def same(r: dict, row: dict, *keys: str) -> bool:
+        return all(r.get(k) == row.get(k) for k in keys)
     for row in rows:
-        ref = next(r for r in rows if r.get("preload") == row.get("preload"))
+        ref = next(r for r in rows if same(r, row, "round", "preload"))
         row["x_bf16"] = {m: round(row[m] / ref[m], 4) for m in METRICS if ref[m]}
-        off = next((r for r in rows if r["dtype"] == row["dtype"] and r.get("preload") == "off"), None)
+        off = next((r for r in rows if same(r, row, "dtype", "round") and r.get("preload") == "off"),
+                   None)
         if row.get("preload") == "on" and off:
             row["x_preload_off"] = {m: round(row[m] / off[m], 4) for m in METRICS if off[m]}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (dtype, preload), in the rows' order: its rounds and, per metric, the median of
+    its ratios to bfloat16's (``x_bf16``) with the smallest and largest."""
+    out: list[dict] = []
+    for row in rows:
+        if any(s["dtype"] == row["dtype"] and s["preload"] == row.get("preload") for s in out):
+            continue
+        mine = [r for r in rows if r["dtype"] == row["dtype"] and r.get("preload") == row.get("preload")]
+        out.append(dict(dtype=row["dtype"], preload=row.get("preload"), rounds=len(mine), **{
+            k: {m: round(f([r["x_bf16"][m] for r in mine]), 4) for m in row["x_bf16"]}
+            for k, f in (("x_bf16_median", statistics.median), ("x_bf16_min", min),
+                         ("x_bf16_max", max))}))
+    return out
 
 
 def label(row: dict, rows: list[dict]) -> str:
@@ -96,12 +122,17 @@ def label(row: dict, rows: list[dict]) -> str:
     return f"{row['dtype']}{' (no preload)' if both and row.get('preload') == 'off' else ''}"
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def plot(summary: list[dict], path: Path, title: str) -> None:
+    """Per dtype the median ratio to bf16's, the bar's whisker spanning the rounds."""
     plt = pyplot()
     shown = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
     fig, axes = plt.subplots(1, len(shown), figsize=(4 * len(shown), 3.4))
     for ax, m in zip(axes, shown):
-        ax.bar([label(r, rows) for r in rows], [r["x_bf16"][m] for r in rows], color="tab:blue")
+        mid = [s["x_bf16_median"][m] for s in summary]
+        spread = [[x - s["x_bf16_min"][m] for x, s in zip(mid, summary)],
+                  [s["x_bf16_max"][m] - x for x, s in zip(mid, summary)]]
+        ax.bar([label(s, summary) for s in summary], mid, yerr=spread, capsize=4,
+               color="tab:blue")
         ax.tick_params(axis="x", labelsize=6, rotation=20)
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_title(f"{m} / bf16's ({'higher' if METRICS[m] else 'lower'} is better)", fontsize=8)
@@ -121,6 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-space-gib", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every dtype this many times, in turn (ratios per round, medians)")
     p.add_argument("--preload", default="on", help="on, off or on,off: each dtype with the launcher's "
                    "LD_PRELOAD (tcmalloc, Intel OpenMP), without (LOWBIT_KV_PRELOAD=0), or both")
     p.add_argument("--json", default=str(RESULTS / "serve_client.json"))
@@ -133,33 +166,43 @@ def main(argv: list[str] | None = None) -> dict:
     preloads = list(dict.fromkeys(args.preload.split(",")))
     if not preloads or set(preloads) - set(PRELOAD):
         p.error(f"--preload: on, off or on,off, not {args.preload!r}")
+    if args.rounds < 1:
+        p.error(f"--rounds: at least 1, not {args.rounds}")
     t0 = time.time()
     rows = []
-    for dtype in dtypes:
-        for preload in preloads:
-            rows.append(measure(args.model, dtype, args, preload))
-            print(f"{label(rows[-1], [{'preload': x} for x in preloads])}: "
-                  f"{rows[-1]['output_throughput']:.2f} output tok/s, median TTFT "
-                  f"{rows[-1]['median_ttft_ms']:.0f} ms, KV cache of "
-                  f"{rows[-1]['kv_capacity_tokens']} tokens", file=sys.stderr, flush=True)
+    for round_ in range(args.rounds):
+        for dtype in dtypes:
+            for preload in preloads:
+                rows.append(dict(measure(args.model, dtype, args, preload), round=round_))
+                print(f"round {round_}, {label(rows[-1], [{'preload': x} for x in preloads])}: "
+                      f"{rows[-1]['output_throughput']:.2f} output tok/s, median TTFT "
+                      f"{rows[-1]['median_ttft_ms']:.0f} ms, KV cache of "
+                      f"{rows[-1]['kv_capacity_tokens']} tokens", file=sys.stderr, flush=True)
     add_ratios(rows)
+    summary = summarize(rows)
     result = dict(
         command=portable.command(["python", "-m", "bench.serve_client", *argv], [args.model]),
         client_command=portable.command(
             client_command(0, args.model, "SmolLM2-135M-Instruct", args, "RESULT_DIR"),
             [args.model]).replace("--port 0", "--port PORT"),
         model=portable.model_name(args.model), machine=machine.describe(), rows=rows,
-        elapsed_s=round(time.time() - t0, 1))
+        summary=summary, elapsed_s=round(time.time() - t0, 1))
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, Path(args.png), f"vllm bench serve: {args.prompts} random prompts of "
-                               f"{args.input_tokens} tokens, {args.output_tokens} output tokens, "
-                               f"all at once, {args.kv_space_gib} GiB of KV "
-                               f"({result['machine']['cpu']})")
+    rounds = f", median of {args.rounds} rounds" if args.rounds > 1 else ""
+    plot(summary, Path(args.png), f"vllm bench serve: {args.prompts} random prompts of "
+                                  f"{args.input_tokens} tokens, {args.output_tokens} output "
+                                  f"tokens, all at once, {args.kv_space_gib} GiB of KV"
+                                  f"{rounds} ({result['machine']['cpu']})")
     for r in rows:
-        print(f"{label(r, rows):>22}: output tok/s x{r['x_bf16']['output_throughput']:.2f}, median TTFT "
+        print(f"round {r['round']}, {label(r, rows):>22}: output tok/s "
+              f"x{r['x_bf16']['output_throughput']:.2f}, median TTFT "
               f"x{r['x_bf16']['median_ttft_ms']:.2f}, median TPOT x{r['x_bf16']['median_tpot_ms']:.2f}"
               + ("".join(f", {m} x{r['x_preload_off'][m]:.2f} of no preload's"
                          for m in ("output_throughput", "median_tpot_ms")) if "x_preload_off" in r else ""))
+    for s in summary:
+        lo, mid, hi = (s[k]["output_throughput"] for k in ("x_bf16_min", "x_bf16_median", "x_bf16_max"))
+        print(f"{label(s, summary):>22}: output tok/s x{mid:.2f} of bf16's (median of {s['rounds']}"
+              f" rounds; {lo:.2f}-{hi:.2f})")
     return result
 
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.serve_client import METRICS, add_ratios, client_command, label
+from bench.serve_client import METRICS, add_ratios, client_command, label, summarize
 
 
 def test_every_server_gets_the_same_prompts_all_at_once():
@@ -26,6 +26,22 @@ def test_ratios_are_against_the_first_row():
     add_ratios(rows)
     assert rows[0]["x_bf16"] == {m: 1.0 for m in METRICS}
     assert rows[1]["x_bf16"] == {m: pytest.approx(1.5) for m in METRICS}
+
+
+def test_rounds_are_ratios_to_bf16_of_the_same_round():
+    """--rounds N: each round's rows against that round's bf16 row (the machine drifts
+    between rounds); the summary is the median ratio per dtype with its range."""
+    rows = [dict(dtype=d, round=k, **{m: x for m in METRICS})
+            for k, (b, v) in enumerate([(2.0, 3.0), (4.0, 4.0), (1.0, 3.0)])
+            for d, x in (("bfloat16", b), ("vidkv", v))]
+    add_ratios(rows)
+    assert [r["x_bf16"]["duration"] for r in rows] == [1.0, 1.5, 1.0, 1.0, 1.0, 3.0]
+    summary = summarize(rows)
+    assert [(s["dtype"], s["rounds"]) for s in summary] == [("bfloat16", 3), ("vidkv", 3)]
+    vidkv = summary[1]
+    assert (vidkv["x_bf16_min"]["duration"], vidkv["x_bf16_median"]["duration"],
+            vidkv["x_bf16_max"]["duration"]) == (1.0, 1.5, 3.0)
+    assert summary[0]["x_bf16_median"] == {m: 1.0 for m in METRICS}
 
 
 def test_preload_on_and_off_in_the_same_run():
@@ -60,3 +76,5 @@ def test_preload_setting_reaches_the_server(monkeypatch):
     assert [e["LOWBIT_KV_PRELOAD"] for e in seen] == ["1", "0"]
     with pytest.raises(SystemExit):
         sc.main(["--preload", "maybe", "--model", "/m"])
+    with pytest.raises(SystemExit):
+        sc.main(["--rounds", "0", "--model", "/m"])
