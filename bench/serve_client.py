@@ -104,16 +104,13 @@ def add_ratios(rows: list[dict]) -> None:
 def summarize(rows: list[dict]) -> list[dict]:
     """Per (dtype, preload), in the rows' order: its rounds and, per metric, the median of
     its ratios to bfloat16's (``x_bf16``) with the smallest and largest."""
-    out: list[dict] = []
+    groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        if any(s["dtype"] == row["dtype"] and s["preload"] == row.get("preload") for s in out):
-            continue
-        mine = [r for r in rows if r["dtype"] == row["dtype"] and r.get("preload") == row.get("preload")]
-        out.append(dict(dtype=row["dtype"], preload=row.get("preload"), rounds=len(mine), **{
-            k: {m: round(f([r["x_bf16"][m] for r in mine]), 4) for m in row["x_bf16"]}
-            for k, f in (("x_bf16_median", statistics.median), ("x_bf16_min", min),
-                         ("x_bf16_max", max))}))
-    return out
+        groups.setdefault((row["dtype"], row.get("preload")), []).append(row)
+    return [dict(dtype=dtype, preload=preload, rounds=len(mine), **{
+        k: {m: round(f([r["x_bf16"][m] for r in mine]), 4) for m in mine[0]["x_bf16"]}
+        for k, f in (("x_bf16_median", statistics.median), ("x_bf16_min", min),
+                     ("x_bf16_max", max))}) for (dtype, preload), mine in groups.items()]
 
 
 def label(row: dict, rows: list[dict]) -> str:
