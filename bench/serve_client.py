@@ -23,16 +23,26 @@ says little; each row records its ``round`` and its ratios are to bfloat16's row
 same round, and ``summary`` gives per dtype the median ratio over the rounds with its
 smallest and largest.
 
-``--preload on,off`` measures each dtype twice, with the launcher's LD_PRELOAD
-(tcmalloc, Intel OpenMP: ``LOWBIT_KV_PRELOAD=1``) and without (``LOWBIT_KV_PRELOAD=0``),
-one after the other; each row records the launcher's start-up line, its ratios are
-to bfloat16's with the same setting, and ``x_preload_off`` compares a preloaded row
-to the same dtype's row without. The default, ``on``, is the launcher's own.
+Two launcher settings can be compared in the same run, each dtype once per value:
+
+* ``--preload on,off``: with the launcher's LD_PRELOAD (tcmalloc, Intel OpenMP:
+  ``LOWBIT_KV_PRELOAD=1``) and without (``LOWBIT_KV_PRELOAD=0``); each row records the
+  launcher's start-up line;
+* ``--reserved-cpus launcher,1``: the CPUs vLLM keeps away from its worker, as the
+  launcher leaves them (``launcher``: none on a machine of two CPUs or fewer) or N
+  (``VLLM_CPU_NUM_OF_RESERVED_CPU=N``; 1 is vLLM's own default for one worker on x86);
+  each row records the worker's CPUs from vLLM's log (``worker_cpus``).
+
+A row's ratios are to bfloat16's with the same settings, and ``x_<setting>_<value>``
+(``x_preload_off``, ``x_reserved_cpus_1``) compares a row with the launcher's own value
+to the same dtype's row with the other value, of the same round. The defaults, ``on``
+and ``launcher``, are the launcher's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import statistics
@@ -62,14 +72,36 @@ def client_command(port: int, model: str, served_name: str, args, result_dir: st
             "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", result_dir]
 
 
-PRELOAD = {"on": "1", "off": "0"}
+#: launcher setting -> its launcher value first, then the values it can be compared with
+SETTINGS = {"preload": ("on", "off"), "reserved_cpus": ("launcher", "N")}
+PRELOAD_ENV = {"on": "1", "off": "0"}
+RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 PRELOAD_LINE = re.compile(r"^lowbit-kv: LD_PRELOAD.*$", re.M)
+WORKER_CPUS = re.compile(r"local_rank=0, core ids=(\[[\d, ]*\])")
 
 
-def measure(model: str, dtype: str, args, preload: str = "on") -> dict:
+def setting_values(name: str, text: str) -> list[str]:
+    """``--preload on,off`` / ``--reserved-cpus launcher,1``: the values, checked."""
+    values = list(dict.fromkeys(text.split(",")))
+    launcher, other = SETTINGS[name]
+    ok = [launcher, other] if other != "N" else [launcher]
+    if not values or any(v not in ok and not (other == "N" and v.isdigit()) for v in values):
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"{flag}: {launcher}, {other} or {launcher},{other}, not {text!r}")
+    return values
+
+
+def server_env(setting: dict) -> dict[str, str | None]:
+    """The server's environment for one combination of settings (None: unset)."""
+    reserved = setting.get("reserved_cpus", "launcher")
+    return {"LOWBIT_KV_PRELOAD": PRELOAD_ENV[setting.get("preload", "on")],
+            "LOWBIT_KV_PRELOADED": None, RESERVED_ENV: None if reserved == "launcher" else reserved}
+
+
+def measure(model: str, dtype: str, args, setting: dict) -> dict:
     server = measurement_server(model, dtype, chunk=args.chunk, max_model_len=args.max_model_len,
                                 max_num_seqs=args.prompts, kv_space_gib=args.kv_space_gib,
-                                env={"LOWBIT_KV_PRELOAD": PRELOAD[preload], "LOWBIT_KV_PRELOADED": None})
+                                env=server_env(setting))
     with server.start() as s, tempfile.TemporaryDirectory() as d:
         run = subprocess.run(client_command(s.port, model, s.model_name, args, d),
                              capture_output=True, text=True, timeout=3600)
@@ -79,44 +111,58 @@ def measure(model: str, dtype: str, args, preload: str = "on") -> dict:
         result = json.loads(next(Path(d).glob("*.json")).read_text())
         impls = s.attention_impls()
         capacity = s.cache_info().get("capacity_tokens")
-        line = PRELOAD_LINE.findall(s.log.read_text())
+        log = s.log.read_text()
+    line, cpus = PRELOAD_LINE.findall(log), WORKER_CPUS.findall(log)
     ld_preload = portable.portable(line[0]) if line else None  # a repo path as the repo's
-    return dict(dtype=dtype, preload=preload, ld_preload=ld_preload, attention_impls=impls,
+    return dict(dtype=dtype, **setting, ld_preload=ld_preload,
+                worker_cpus=json.loads(cpus[-1]) if cpus else None, attention_impls=impls,
                 kv_capacity_tokens=capacity, completed=result["completed"],
                 **{m: result[m] for m in METRICS})
 
 
+def _same(r: dict, row: dict, keys) -> bool:
+    return all(r.get(k) == row.get(k) for k in keys)
+
+
 def add_ratios(rows: list[dict]) -> None:
-    """``x_bf16``: to the first row of the same round with the same preload setting
-    (bfloat16's); ``x_preload_off``: a preloaded row to the same dtype's row without, of the
-    same round."""
-    def same(r: dict, row: dict, *keys: str) -> bool:
-        return all(r.get(k) == row.get(k) for k in keys)
+    """``x_bf16``: to the first row of the same round with the same settings (bfloat16's);
+    ``x_<setting>_<value>`` (``x_preload_off``, ``x_reserved_cpus_1``): a row with the
+    launcher's value of that setting to the same dtype's row with the other value, the
+    same round and the same other settings."""
     for row in rows:
-        ref = next(r for r in rows if same(r, row, "round", "preload"))
+        ref = next(r for r in rows if _same(r, row, ["round", *SETTINGS]))
         row["x_bf16"] = {m: round(row[m] / ref[m], 4) for m in METRICS if ref[m]}
-        off = next((r for r in rows if same(r, row, "dtype", "round") and r.get("preload") == "off"),
-                   None)
-        if row.get("preload") == "on" and off:
-            row["x_preload_off"] = {m: round(row[m] / off[m], 4) for m in METRICS if off[m]}
+        for name, (launcher, _) in SETTINGS.items():
+            if row.get(name, launcher) != launcher:
+                continue
+            others = ["dtype", "round", *(k for k in SETTINGS if k != name)]
+            for r in rows:
+                if r.get(name, launcher) != launcher and _same(r, row, others):
+                    row[f"x_{name}_{r[name]}"] = {m: round(row[m] / r[m], 4) for m in METRICS if r[m]}
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per (dtype, preload), in the rows' order: its rounds and, per metric, the median of
+    """Per dtype and settings, in the rows' order: its rounds and, per metric, the median of
     its ratios to bfloat16's (``x_bf16``) with the smallest and largest."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["dtype"], row.get("preload")), []).append(row)
-    return [dict(dtype=dtype, preload=preload, rounds=len(mine), **{
+        groups.setdefault((row["dtype"], *(row.get(k) for k in SETTINGS)), []).append(row)
+    return [dict(dtype=key[0], **{k: v for k, v in zip(SETTINGS, key[1:]) if v is not None},
+                 rounds=len(mine), **{
         k: {m: round(f([r["x_bf16"][m] for r in mine]), 4) for m in mine[0]["x_bf16"]}
         for k, f in (("x_bf16_median", statistics.median), ("x_bf16_min", min),
-                     ("x_bf16_max", max))}) for (dtype, preload), mine in groups.items()]
+                     ("x_bf16_max", max))}) for key, mine in groups.items()]
 
 
 def label(row: dict, rows: list[dict]) -> str:
-    """The dtype, and the preload setting where the rows have both."""
-    both = len({r.get("preload") for r in rows}) > 1
-    return f"{row['dtype']}{' (no preload)' if both and row.get('preload') == 'off' else ''}"
+    """The dtype, and each setting the rows vary and this row has off the launcher's value."""
+    notes = []
+    for name, (launcher, _) in SETTINGS.items():
+        value = row.get(name, launcher)
+        if len({r.get(name, launcher) for r in rows}) > 1 and value != launcher:
+            notes.append("no preload" if name == "preload"
+                         else f"{value} CPU{'' if value == '1' else 's'} reserved")
+    return row["dtype"] + "".join(f" ({n})" for n in notes)
 
 
 def plot(summary: list[dict], path: Path, title: str) -> None:
@@ -153,6 +199,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="measure every dtype this many times, in turn (ratios per round, medians)")
     p.add_argument("--preload", default="on", help="on, off or on,off: each dtype with the launcher's "
                    "LD_PRELOAD (tcmalloc, Intel OpenMP), without (LOWBIT_KV_PRELOAD=0), or both")
+    p.add_argument("--reserved-cpus", default="launcher",
+                   help="launcher, N or launcher,N: the CPUs vLLM keeps from its worker as the "
+                   "launcher leaves them, N (VLLM_CPU_NUM_OF_RESERVED_CPU), or both")
     p.add_argument("--json", default=str(RESULTS / "serve_client.json"))
     p.add_argument("--png", default=str(RESULTS / "serve_client.png"))
     args = p.parse_args(argv)
@@ -160,18 +209,20 @@ def main(argv: list[str] | None = None) -> dict:
         from vllm_lowbit_kv.model import prepare_model
         args.model = str(prepare_model())
     dtypes = list(dict.fromkeys([REFERENCE] + args.kv_cache_dtype.split(",")))
-    preloads = list(dict.fromkeys(args.preload.split(",")))
-    if not preloads or set(preloads) - set(PRELOAD):
-        p.error(f"--preload: on, off or on,off, not {args.preload!r}")
+    try:
+        values = {name: setting_values(name, getattr(args, name)) for name in SETTINGS}
+    except ValueError as e:
+        p.error(str(e))
+    settings = [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
     if args.rounds < 1:
         p.error(f"--rounds: at least 1, not {args.rounds}")
     t0 = time.time()
     rows = []
     for round_ in range(args.rounds):
         for dtype in dtypes:
-            for preload in preloads:
-                rows.append(dict(measure(args.model, dtype, args, preload), round=round_))
-                print(f"round {round_}, {label(rows[-1], [{'preload': x} for x in preloads])}: "
+            for setting in settings:
+                rows.append(dict(measure(args.model, dtype, args, setting), round=round_))
+                print(f"round {round_}, {label(rows[-1], settings)}: "
                       f"{rows[-1]['output_throughput']:.2f} output tok/s, median TTFT "
                       f"{rows[-1]['median_ttft_ms']:.0f} ms, KV cache of "
                       f"{rows[-1]['kv_capacity_tokens']} tokens", file=sys.stderr, flush=True)
@@ -194,8 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"round {r['round']}, {label(r, rows):>22}: output tok/s "
               f"x{r['x_bf16']['output_throughput']:.2f}, median TTFT "
               f"x{r['x_bf16']['median_ttft_ms']:.2f}, median TPOT x{r['x_bf16']['median_tpot_ms']:.2f}"
-              + ("".join(f", {m} x{r['x_preload_off'][m]:.2f} of no preload's"
-                         for m in ("output_throughput", "median_tpot_ms")) if "x_preload_off" in r else ""))
+              + "".join(f", {m} x{r[k][m]:.2f} of {k[2:]}'s" for k in r if k.startswith("x_")
+                        and k != "x_bf16" for m in ("output_throughput", "median_tpot_ms")))
     for s in summary:
         lo, mid, hi = (s[k]["output_throughput"] for k in ("x_bf16_min", "x_bf16_median", "x_bf16_max"))
         print(f"{label(s, summary):>22}: output tok/s x{mid:.2f} of bf16's (median of {s['rounds']}"

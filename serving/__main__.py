@@ -54,6 +54,12 @@ Defaults (each applies only where neither a flag nor the environment, nor a
   "backend": "eager"}'`` replaces ``--enforce-eager`` (vLLM's CPU runner sets up
   what a later stage receives only in a warm-up pass that eager mode skips; the
   eager backend traces the model without inductor).
+* on the CPU platform with one rank and at most two CPUs (this process's affinity):
+  ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (not set over your own, nor with
+  ``VLLM_CPU_OMP_THREADS_BIND``). vLLM keeps one CPU per worker away from it for its
+  engine process, which mostly waits on the worker; on two CPUs the model would run on
+  one thread. One start-up line says so (``lowbit-kv: VLLM_CPU_NUM_OF_RESERVED_CPU=0:
+  ...``); ``bench/results/serve_client_reserved.json`` measures it.
 * on the CPU platform (Linux): tcmalloc and Intel OpenMP in ``LD_PRELOAD``, as vLLM's
   CPU installation guide asks ("set LD_PRELOAD"; its worker warns at start-up
   without them): :func:`preload` looks for ``libtcmalloc_minimal.so.4`` (Debian's
@@ -147,6 +153,10 @@ CPU_DEFAULTS: dict[str, list[str]] = {"--kv-cache-dtype": ["vidkv"], "--enforce-
                                       "--max-num-seqs": ["32"]}
 CPU_KV_SPACE_ENV, CPU_KV_SPACE_GIB = "VLLM_CPU_KVCACHE_SPACE", "2"
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+CPU_RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+#: up to this many CPUs, vLLM's one core reserved for its engine process is half the
+#: machine or more: the launcher gives the worker every CPU (see defaults())
+FEW_CPUS = 2
 #: instead of --enforce-eager with pipeline parallelism on the CPU (see defaults())
 PP_COMPILATION = {"mode": 3, "backend": "eager"}
 #: flags that, given, mean the user chose the KV size / compilation themselves
@@ -220,11 +230,13 @@ def cpu_bind_list(ranks: int, cpus: list[int]) -> str:
     return "|".join(",".join(str(c) for c in share) for share in shares)
 
 
-def defaults(argv: list[str], environ: dict[str, str] | None = None,
-             cpu: bool | None = None) -> tuple[list[str], dict[str, str]]:
-    """The flags and environment variables the launcher adds to ``argv`` (module docstring)."""
+def defaults(argv: list[str], environ: dict[str, str] | None = None, cpu: bool | None = None,
+             cpus: list[int] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment variables the launcher adds to ``argv`` (module docstring);
+    ``cpus``: the CPUs this process may run on (its affinity)."""
     environ = os.environ if environ is None else environ
     cpu = _on_cpu() if cpu is None else cpu
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
     given = given_flags(argv)
     add: list[str] = []
     env: dict[str, str] = {}
@@ -264,8 +276,22 @@ def defaults(argv: list[str], environ: dict[str, str] | None = None,
         if ranks > 1 and not environ.get(CPU_BIND_ENV):
             # vLLM's automatic binding gives each rank a NUMA node of its own and refuses
             # more ranks than nodes ("Not enough allowed NUMA nodes to bind threads")
-            env[CPU_BIND_ENV] = cpu_bind_list(ranks, sorted(os.sched_getaffinity(0)))
+            env[CPU_BIND_ENV] = cpu_bind_list(ranks, cpus)
+        if (ranks == 1 and len(cpus) <= FEW_CPUS
+                and CPU_RESERVED_ENV not in environ and not environ.get(CPU_BIND_ENV)):
+            # vLLM keeps one CPU per worker for its engine process, which mostly waits
+            # on the worker: on two CPUs the model would run on one
+            env[CPU_RESERVED_ENV] = "0"
     return add, env
+
+
+def defaults_line(env: dict[str, str]) -> str | None:
+    """The start-up line for a default that changes how vLLM runs the model, if set."""
+    if env.get(CPU_RESERVED_ENV) == "0":
+        return (f"lowbit-kv: {CPU_RESERVED_ENV}=0: vLLM's worker runs on all "
+                f"{len(os.sched_getaffinity(0))} CPUs (vLLM keeps one for its engine process "
+                f"by default; set {CPU_RESERVED_ENV}=1 for that)")
+    return None
 
 
 # ----------------------------------------------------------------------------- LD_PRELOAD
@@ -472,6 +498,9 @@ def main(argv: list[str] | None = None) -> None:
     add, env = defaults(argv)
     argv += add
     os.environ.update(env)
+    line = defaults_line(env)
+    if line:
+        print(line, file=sys.stderr, flush=True)
     os.environ.pop("LOWBIT_KV_CONFIG_LOGGED", None)  # a fresh server logs its config once
     from vllm_lowbit_kv.vllm.plugin import register
 

@@ -58,8 +58,28 @@ def test_preload_on_and_off_in_the_same_run():
     assert label(rows[0], rows[:1]) == "bfloat16"
 
 
-def test_preload_setting_reaches_the_server(monkeypatch):
-    """The preload setting is the launcher's LOWBIT_KV_PRELOAD (1 or 0), in every server."""
+def test_reserved_cpus_beside_preload():
+    """--reserved-cpus launcher,1 with --preload on,off: x_bf16 within the same settings,
+    each launcher value against the other value of that setting alone."""
+    rows = [dict(dtype=d, preload=p, reserved_cpus=r, **{m: x for m in METRICS})
+            for d, scale in (("bfloat16", 1.0), ("vidkv", 2.0))
+            for (p, r), x in ((("on", "launcher"), 8.0 * scale), (("on", "1"), 4.0 * scale),
+                              (("off", "launcher"), 2.0 * scale), (("off", "1"), 1.0 * scale))]
+    add_ratios(rows)
+    assert [r["x_bf16"]["duration"] for r in rows] == [1.0] * 4 + [2.0] * 4
+    assert rows[0]["x_reserved_cpus_1"]["duration"] == 2.0  # on/launcher against on/1
+    assert rows[0]["x_preload_off"]["duration"] == 4.0  # on/launcher against off/launcher
+    assert rows[1]["x_preload_off"]["duration"] == 4.0 and "x_reserved_cpus_1" not in rows[1]
+    assert rows[2]["x_reserved_cpus_1"]["duration"] == 2.0 and "x_preload_off" not in rows[2]
+    assert [label(r, rows) for r in rows[:4]] == [
+        "bfloat16", "bfloat16 (1 CPU reserved)", "bfloat16 (no preload)",
+        "bfloat16 (no preload) (1 CPU reserved)"]
+    assert [s["rounds"] for s in summarize(rows)] == [1] * 8
+
+
+def test_settings_reach_the_server(monkeypatch):
+    """Preload is the launcher's LOWBIT_KV_PRELOAD (1 or 0); reserved CPUs vLLM's
+    VLLM_CPU_NUM_OF_RESERVED_CPU, unset for the launcher's own choice."""
     import bench.serve_client as sc
 
     seen = []
@@ -70,11 +90,11 @@ def test_preload_setting_reaches_the_server(monkeypatch):
 
     monkeypatch.setattr(sc, "measurement_server", server)
     args = SimpleNamespace(chunk=2048, max_model_len=2048, prompts=8, kv_space_gib=2)
-    for preload in ("on", "off"):
+    for setting in (dict(preload="on", reserved_cpus="launcher"), dict(preload="off", reserved_cpus="1")):
         with pytest.raises(RuntimeError):
-            sc.measure("/m", "vidkv", args, preload)
+            sc.measure("/m", "vidkv", args, setting)
     assert [e["LOWBIT_KV_PRELOAD"] for e in seen] == ["1", "0"]
-    with pytest.raises(SystemExit):
-        sc.main(["--preload", "maybe", "--model", "/m"])
-    with pytest.raises(SystemExit):
-        sc.main(["--rounds", "0", "--model", "/m"])
+    assert [e["VLLM_CPU_NUM_OF_RESERVED_CPU"] for e in seen] == [None, "1"]
+    for bad in (["--preload", "maybe"], ["--reserved-cpus", "launcher,x"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            sc.main([*bad, "--model", "/m"])

@@ -56,6 +56,10 @@ VLLM_NOTICES = [
     r"FutureWarning: `torch\.distributed\.reduce_op` is deprecated",
     # CPUs without AVX-512 BF16 (an AVX2-only EPYC): vLLM's bf16 linear layers in torch
     r"Failed to create oneDNN linear, fallback to torch linear",
+    # machines of two CPUs: the launcher's VLLM_CPU_NUM_OF_RESERVED_CPU=0 (its own line says why)
+    r"VLLM_CPU_NUM_OF_RESERVED_CPU is less than the minimum requirement",
+    # ... and vLLM's own OMP_NUM_THREADS for a worker on both of them
+    r"OMP_NUM_THREADS=2 is set; leaving Torch threads at 2 for serving",
 ]
 #: the one notice eviction brings, named by the issue: vLLM's about a custom scheduler
 SCHEDULER_NOTICE = r"Using custom scheduler class vllm_lowbit_kv\.vllm\.eviction\.EvictingScheduler"
@@ -87,17 +91,36 @@ def test_launcher_defaults():
     embedded = str(prepare_model())
     argv = build_argv([])
     assert argv == ["--model", embedded]
-    add, env = defaults(argv, environ={}, cpu=True)
+    add, env = defaults(argv, environ={}, cpu=True, cpus=list(range(8)))
     assert add == ["--host", "127.0.0.1", "--served-model-name", SHORT, embedded,
                    "--kv-cache-dtype", "vidkv", "--enforce-eager", "--max-num-seqs", "32"]
     assert env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
     # a flag, in any of vLLM's spellings, or the environment, wins
     add, env = defaults([*argv, "--host=0.0.0.0", "--served_model_name", "m", "--kv-cache-dtype",
-                         "kivi2", "-O3", "--max-num-seqs=4"], environ={}, cpu=True)
+                         "kivi2", "-O3", "--max-num-seqs=4"], environ={}, cpu=True, cpus=[0, 1, 2])
     assert add == [] and env == {"VLLM_CPU_KVCACHE_SPACE": "2"}
-    assert defaults(argv, environ={"VLLM_CPU_KVCACHE_SPACE": "5"}, cpu=True)[1] == {}
-    assert defaults([*argv, "--kv-cache-memory-bytes", "1000000"], environ={}, cpu=True)[1] == {}
+    assert defaults(argv, environ={"VLLM_CPU_KVCACHE_SPACE": "5"}, cpu=True, cpus=[0, 1, 2])[1] == {}
+    assert defaults([*argv, "--kv-cache-memory-bytes", "1000000"], environ={}, cpu=True,
+                    cpus=[0, 1, 2])[1] == {}
     assert "--enforce-eager" not in defaults([*argv, "--compilation-config.mode", "3"], {}, True)[0]
+
+
+def test_launcher_gives_the_worker_every_cpu_of_a_small_machine():
+    """Up to two CPUs, vLLM's one CPU reserved for its engine process would leave the model
+    one: the launcher sets VLLM_CPU_NUM_OF_RESERVED_CPU=0 (one rank only, never over the
+    user's own setting or explicit binding) and says so in one start-up line."""
+    pytest.importorskip("vllm")
+    from serving.__main__ import defaults, defaults_line
+
+    argv = ["--model", "m"]
+    for cpus, reserved in (([0], "0"), ([0, 1], "0"), ([0, 1, 2], None), (list(range(64)), None)):
+        env = defaults(argv, environ={}, cpu=True, cpus=cpus)[1]
+        assert env.get("VLLM_CPU_NUM_OF_RESERVED_CPU") == reserved, cpus
+        assert (defaults_line(env) is not None) == (reserved == "0")
+    for environ in ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, {"VLLM_CPU_OMP_THREADS_BIND": "0"}):
+        assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in defaults(argv, environ, True, [0, 1])[1]
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in defaults([*argv, "-tp", "2"], {}, True, [0, 1])[1]
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in defaults(argv, {}, False, [0, 1])[1]
     # another model keeps its name; off the CPU platform only the host is ours
     assert defaults(["--model", "Qwen/Qwen3-0.6B"], environ={}, cpu=False) == (
         ["--host", "127.0.0.1"], {})
@@ -115,7 +138,8 @@ def test_launcher_reads_a_config_file(tmp_path):
 
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("host: 0.0.0.0\nmax_num_seqs: 8\nkv_cache_memory_bytes: 1000000\n")
-    add, env = defaults(["--model", "m", "--config", str(cfg)], environ={}, cpu=True)
+    add, env = defaults(["--model", "m", "--config", str(cfg)], environ={}, cpu=True,
+                        cpus=list(range(8)))
     assert add == ["--kv-cache-dtype", "vidkv", "--enforce-eager"] and env == {}
 
 
@@ -274,7 +298,8 @@ def servers(tmp_path_factory):
     pytest.importorskip("vllm")
     tmp = tmp_path_factory.mktemp("launcher")
     started = dict(
-        plain=_main_sh(tmp, "plain", [], kv_space_gib=None),
+        # no binding of the test harness's (tests/conftest.py): vLLM's own, as users get it
+        plain=_main_sh(tmp, "plain", [], kv_space_gib=None, env={"VLLM_CPU_OMP_THREADS_BIND": None}),
         evicting=_main_sh(tmp, "evicting", ["--kv-eviction", "flashcache", "--kv-retention", "0.2",
                                             "--block-size", "128", "--max-model-len", "2048",
                                             "--max-num-seqs", "4", "--api-key", KEY, *FLOAT32_WEIGHTS],
@@ -325,6 +350,24 @@ def test_plain_launcher_kv_defaults(servers):
     assert stats["kv_cache_dtype"] == "vidkv" and stats["model"] == SHORT
     assert stats["capacity"]["kv_cache_memory_bytes"] == 2 * GiB
     assert stats["staging"]["slots_total"] > 0 and stats["eviction"]["enabled"] is False
+
+
+@pytest.mark.slow
+def test_plain_launcher_worker_cpus(servers):
+    """vLLM's worker computes on every CPU of a machine of two or fewer (the launcher's
+    start-up line says why), on all but one reserved CPU elsewhere (vLLM's default)."""
+    from serving.__main__ import FEW_CPUS
+
+    log = servers["plain"].log.read_text()
+    cpus = sorted(os.sched_getaffinity(0))
+    bound = re.findall(r"local_rank=0, core ids=(\[[\d, ]*\])", log)
+    lines = re.findall(r"^lowbit-kv: VLLM_CPU_NUM_OF_RESERVED_CPU=0: .*$", log, re.M)
+    assert len(bound) == 1, "vLLM's binding log line is gone: is its format still the same?"
+    if len(cpus) <= FEW_CPUS:
+        assert json.loads(bound[0]) == cpus and len(lines) == 1, (bound, lines)
+        assert f"runs on all {len(cpus)} CPUs" in lines[0]
+    else:
+        assert len(json.loads(bound[0])) == len(cpus) - 1 and lines == [], (bound, lines)
 
 
 def _mapped_libs(pid: int) -> list[set[str]]:
