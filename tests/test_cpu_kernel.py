@@ -622,26 +622,22 @@ def test_dense_attention_strides_empty_rows_and_poisoned_outputs(built):
     assert cpu.dense_attention(q.float(), k.float(), v.float(), 0.1, causal=True) is None
 
 
-@pytest.mark.parametrize("amx", [False, True], ids=["dense-kernel", "amx-tiles"])
-def test_prefill_chunks_take_the_dense_kernel(built, monkeypatch, amx):
+def test_prefill_chunks_take_the_dense_kernel(built):
     """causal_attend_with_lse (the exact part of a prefill chunk) runs the dense kernel for
-    bf16 inputs on the CPU, or on CPUs with AMX tiles torch's fused kernel in bf16, each
-    within bf16 rounding of float32 attention, and torch's attention for float32 inputs
-    (the engines' parity runs), within summation order. Both choices run on every CPU
-    (torch's kernel without AMX tiles where the CPU lacks them)."""
-    import vllm_lowbit_kv.paged.attention as attention
+    bf16 inputs on the CPU, within its pair tiles' rounding of float32 attention, and
+    torch's attention for float32 ones (the engines' parity runs), within summation order."""
+    from vllm_lowbit_kv.paged.attention import causal_attend_with_lse
 
-    monkeypatch.setattr(attention, "AMX_TILES", amx)
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(70, h, 64, generator=g) for h in (9, 3, 3))
     bf = [x.bfloat16() for x in (q, k, v)]
-    got = attention.causal_attend_with_lse(*bf, 0.125)
+    got = causal_attend_with_lse(*bf, 0.125)
     direct = cpu.dense_attention(*bf, 0.125, causal=True)
-    assert (torch.equal(got[0], direct[0]) and torch.equal(got[1], direct[1])) != amx
+    assert torch.equal(got[0], direct[0]) and torch.equal(got[1], direct[1])
     want_out, want_lse = dense_reference(*bf, 0.125, 0)
     torch.testing.assert_close(got[0], want_out, **BF16_OUT_TOL)
     torch.testing.assert_close(got[1], want_lse, **BF16_LSE_TOL)
-    out, lse = attention.causal_attend_with_lse(q, k, v, 0.125)
+    out, lse = causal_attend_with_lse(q, k, v, 0.125)
     want_out, want_lse = dense_reference(q, k, v, 0.125, 0)
     torch.testing.assert_close(out, want_out, **DENSE_TOL)
     torch.testing.assert_close(lse, want_lse, **DENSE_TOL)
@@ -652,7 +648,6 @@ def test_prefill_exact_part_in_one_dense_call(built, monkeypatch):
     causally) in one dense call equals the two parts attended apart by torch and merged."""
     import vllm_lowbit_kv.paged.attention as attention
 
-    monkeypatch.setattr(attention, "AMX_TILES", False)
     g = torch.Generator().manual_seed(9)
     Q = 100
     q, k, v = (torch.randn(Q, h, 64, generator=g).bfloat16() for h in (9, 3, 3))

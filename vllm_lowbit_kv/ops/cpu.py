@@ -34,11 +34,10 @@ magnitudes near the fp16 limit. :func:`store` encodes with ``csrc/cpu/encode_sta
 
 Work items with many query vectors (a prefill chunk) decode each group once into tiles
 and multiply them (``csrc/cpu/micro_gemm.h``: float32, or bf16 pairs for bf16 queries where
-the build has AVX-512 BF16). The library also holds :func:`dense_attention`
+the build has AVX-512 BF16, as AMX tile multiplies where it has AMX). The library also holds :func:`dense_attention`
 (``csrc/cpu/dense_attention.cpp``): attention over bf16 or float32 K/V by the same matrix
 products, which the exact part of a bf16 prefill chunk takes (:mod:`vllm_lowbit_kv.paged.attention`;
-float32 keeps torch's attention, :data:`DENSE_DTYPES`), except on CPUs with AMX tiles
-(:data:`AMX_TILES`).
+float32 keeps torch's attention, :data:`DENSE_DTYPES`).
 """
 
 from __future__ import annotations
@@ -92,12 +91,6 @@ LANES = 16  # floats per vector in the widest build (AVX-512): head_dim must be 
 #: first chunk's hidden states flips 1- and 2-bit codes of the next layers' pages and moved
 #: vidkv's parity perplexity by 0.2% (the kernel itself takes float32 too)
 DENSE_DTYPES = (torch.bfloat16,)
-#: the CPU has AMX tiles (and the OS lets torch use them): there torch's fused bf16 attention
-#: runs on oneDNN's AMX kernels, 1.8-4.1x faster than :func:`dense_attention`'s AVX-512 BF16
-#: products for a prefill chunk's causal self-attention (256-2048 rows, SmolLM2's heads, two
-#: threads of an Intel Xeon: ``bench/results/prefill_exact_xeon.json``), so the serving path
-#: leaves it to torch there
-AMX_TILES = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 _NO_ROTATION = torch.empty(0)
 _build_lock = threading.Lock()

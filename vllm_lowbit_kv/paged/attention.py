@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import merge_attention
-from ..ops.cpu import AMX_TILES, dense_attention, exact_decode_attention
+from ..ops.cpu import dense_attention, exact_decode_attention
 from .layout import PagedLayout
 from .plan import ReadPlan
 from .write import Staging
@@ -81,15 +81,18 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
 def causal_attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of Q fresh rows over themselves, and its log-sum-exp: q [Q, Hq, D];
-    k, v [Q, H, D] -> out [Q, Hq, D] float32, lse [Q, Hq] float32. bf16 on the CPU: the C++
-    dense kernel (:func:`~vllm_lowbit_kv.ops.cpu.dense_attention`), or on CPUs with AMX tiles
-    (:data:`~vllm_lowbit_kv.ops.cpu.AMX_TILES`) torch's fused CPU kernel in bf16; otherwise
-    (float32, as the engines' parity runs use, or no kernel) that kernel in float32 (with no
-    mask it skips the blocks above the diagonal, half of a prefill chunk's work) or plain
-    products."""
-    dense = None if AMX_TILES else dense_attention(q, k, v, scale, causal=True)
-    if dense is not None:
-        return dense
+    k, v [Q, H, D] -> out [Q, Hq, D], lse [Q, Hq] float32. bf16 on the CPU: the C++ dense
+    kernel (:func:`~vllm_lowbit_kv.ops.cpu.dense_attention`); otherwise (float32, as the
+    engines' parity runs use, or no kernel) :func:`torch_causal_attend_with_lse`."""
+    dense = dense_attention(q, k, v, scale, causal=True)
+    return dense if dense is not None else torch_causal_attend_with_lse(q, k, v, scale)
+
+
+def torch_causal_attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_attend_with_lse` by torch: on the CPU its fused kernel (with no mask it
+    skips the blocks above the diagonal, half of a prefill chunk's work; bf16 inputs stay
+    bf16, float32 otherwise), elsewhere plain float32 products."""
     G = q.shape[1] // k.shape[1]
     on_cpu = q.device.type == "cpu"
     bf16 = on_cpu and q.dtype == k.dtype == v.dtype == torch.bfloat16
@@ -118,9 +121,8 @@ def prefill_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``vs`` (each [1, E_i, H, D] float32: sinks, staged run) whole and over their own keys
     k, v [Q, H, D] causally -> out [Q, Hq, D], lse [Q, Hq] float32. With the dense kernel
     one causal call over [context, own keys] (row i sees the E context keys and its own
-    0..i); otherwise (or with AMX tiles, :func:`causal_attend_with_lse`) the two parts
-    apart, merged."""
-    if ks and not AMX_TILES:  # the context is stored in the model dtype: back to it without loss
+    0..i); otherwise the two parts apart, merged."""
+    if ks:  # the context is stored in the model dtype: back to it without loss
         dense = dense_attention(q, torch.cat([*(x.to(k.dtype) for x in ks), k[None]], 1)[0],
                                 torch.cat([*(x.to(v.dtype) for x in vs), v[None]], 1)[0], scale,
                                 causal=True)
