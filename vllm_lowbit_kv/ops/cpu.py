@@ -34,9 +34,9 @@ magnitudes near the fp16 limit. :func:`store` encodes with ``csrc/cpu/encode_sta
 
 Work items with many query vectors (a prefill chunk) decode each group once into tiles
 and multiply them (``csrc/cpu/micro_gemm.h``: float32, or bf16 pairs for bf16 queries where
-the build has AVX-512 BF16, as AMX tile multiplies where it has AMX). The library also holds :func:`dense_attention`
-(``csrc/cpu/dense_attention.cpp``): attention over bf16 or float32 K/V by the same matrix
-products, which the exact part of a bf16 prefill chunk takes (:mod:`vllm_lowbit_kv.paged.attention`;
+the build has AVX-512 BF16, as AMX tile multiplies where it has AMX). The library also
+holds :func:`dense_attention` (``csrc/cpu/dense_attention.cpp``): attention over bf16 or
+float32 K/V by the same matrix products, which the exact part of a bf16 prefill chunk takes (:mod:`vllm_lowbit_kv.paged.attention`;
 float32 keeps torch's attention, :data:`DENSE_DTYPES`).
 """
 
