@@ -56,13 +56,11 @@ def measure(rows: int, args, fns: dict) -> dict:
     q, k, v = (torch.randn(rows, h, args.head_dim, generator=g).bfloat16()
                for h in (args.q_heads, args.kv_heads, args.kv_heads))
     scale = args.head_dim ** -0.5
-    (o1, l1), (o2, l2) = (fns[n](q, k, v, scale) for n in fns)
+    (o1, l1), (o2, l2) = (fns[n](q, k, v, scale) for n in fns)  # also each kernel's warm-up
     out_diff, lse_diff = (o1 - o2).abs().max().item(), (l1 - l2).abs().max().item()
     if out_diff > 0.05 or lse_diff > 0.01:  # both are bf16 attention of the same rows
         raise RuntimeError(f"{rows} rows: the kernels differ by {out_diff} (out), {lse_diff} (lse)")
     times: dict[str, list[float]] = {n: [] for n in fns}
-    for name in fns:  # warm-up
-        time_call(fns[name], (q, k, v, scale), 1)
     for _ in range(args.rounds):
         for name, f in fns.items():
             times[name].append(time_call(f, (q, k, v, scale), args.calls))
