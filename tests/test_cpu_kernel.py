@@ -678,3 +678,87 @@ def test_prefill_tile_path_matches_reference(scheme, params, dtype, rvq_codebook
     bf16 = dtype == torch.bfloat16
     check(layout, pages, table, ng, q_start, query.to(dtype), torch.tensor([35, 2]),
           out_tol=BF16_OUT_TOL if bf16 else OUT_TOL, lse_tol=BF16_LSE_TOL if bf16 else LSE_TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scheme,params", FORMATS + [(s, None) for s in RVQ_SCHEMES],
+                         ids=lambda x: str(x))
+def test_decode_groups_matches_reference(scheme, params, dtype, rvq_codebook_file):
+    """A prefill chunk's packed context as dense rows (ops.cpu.decode_groups): every page
+    format's tokens [skip, G T) equal the codecs' decode (float32 within summation order;
+    bf16 and fp16 as its rounding), written into slices of poisoned larger buffers with
+    nothing around them touched; skips inside the first group and past it."""
+    if params is None:
+        params = {"codebook": str(rvq_codebook_file(scheme))}
+    layout = layout_for(scheme, params, H=2, T=32, block_size=64)
+    pages, table, _, _, _ = random_case(layout, [5], [1], 2,
+                                        zlib.crc32(f"rows{scheme}{params}".encode()))
+    gids = table[0]
+    want_k, want_v = (x.reshape(-1, 2, 64) for x in layout.decode(layout.read_states(pages, gids)))
+    for skip in (0, 3, 40):
+        rows = gids.numel() * layout.T - skip
+        ko, vo = (torch.full((rows + 4, 2, 64), float("nan"), dtype=dtype) for _ in range(2))
+        cpu.decode_groups(pages, layout, gids, skip, ko[2:-2], vo[2:-2])
+        for got, want in ((ko, want_k), (vo, want_v)):
+            assert got[:2].isnan().all() and got[-2:].isnan().all()
+            if dtype == torch.float32:
+                torch.testing.assert_close(got[2:-2], want[skip:], atol=2e-5, rtol=1e-5)
+            else:  # a float32 difference may round the other way: one unit in the last place
+                torch.testing.assert_close(got[2:-2].float(), want[skip:].to(dtype).float(),
+                                           atol=1e-5, rtol=2 * torch.finfo(dtype).eps)
+
+
+def test_decode_groups_refuses_bad_arguments():
+    """Buffers of the wrong shape or dtype, groups outside the cache and skips past the
+    groups are errors naming the argument."""
+    layout = layout_for("vidkv", {}, H=2, T=32, block_size=64)
+    pages, table, _, _, _ = random_case(layout, [3], [1], 2, 4)
+    gids = table[0]
+    ok = torch.empty(3 * 32, 2, 64)
+    with pytest.raises(RuntimeError, match="key_out, value_out"):
+        cpu.decode_groups(pages, layout, gids, 0, torch.empty(3 * 32 - 1, 2, 64), ok)
+    with pytest.raises(RuntimeError, match="key_out, value_out"):
+        cpu.decode_groups(pages, layout, gids, 0, ok, ok.to(torch.int32))
+    with pytest.raises(RuntimeError, match="gids"):
+        cpu.decode_groups(pages, layout, torch.tensor([0, 1, pages.shape[0] * 2]), 0, ok, ok)
+    with pytest.raises(RuntimeError, match="skip"):
+        cpu.decode_groups(pages, layout, gids, 3 * 32 + 1, ok, ok)
+
+
+@pytest.mark.parametrize("scheme,sinks,window", [("vidkv", 3, 0), ("kivi2", 0, 1),
+                                                 ("vidkv_stp", 2, 0)])
+def test_prefill_chunks_read_their_packed_groups_dense(scheme, sinks, window, monkeypatch):
+    """In bf16 with the C++ kernel, a prefill chunk reads its packed groups as decoded rows
+    in the dense kernel's one pass (paged.attention.reads_packed_dense), decode rows beside
+    it keep the packed kernel: the outputs of chunked prefill and decode of three requests
+    equal those of the packed kernel's tile path merged with the exact part, within bf16
+    tiles' rounding; the pages are the same bytes."""
+    import vllm_lowbit_kv.paged.forward as forward
+
+    torch.manual_seed(3)
+    HQ, D = 9, 64
+    lens = [100, 60, 20]
+    seqs = [tuple(rnd(L, h, D).bfloat16() for h in (3, 3, HQ)) for L in lens]
+    schedule = [[20, 30, 3], [40, 1, 17], [40, 29, 0]] + [[1, 1, 0]] * 4
+    decoded = []
+    spy = cpu.decode_groups
+    monkeypatch.setattr(cpu, "decode_groups", lambda *a: decoded.append(a[2].numel()) or spy(*a))
+    runs = []
+    for dense in (True, False):
+        if not dense:
+            monkeypatch.setattr(forward, "reads_packed_dense", lambda *a: False)
+        layout, pages, staging, alloc = make(scheme, T=16, block_size=32, sinks=sinks,
+                                             window=window, slots=12,
+                                             q_heads=HQ if scheme == "vidkv_stp" else None)
+        tables = [torch.arange(i * 8, (i + 1) * 8).flip(0) for i in range(3)]
+        outs = run_schedule(layout, pages, staging, alloc, seqs, tables, schedule,
+                            obs_window=8 if scheme == "vidkv_stp" else None,
+                            packed_attention=cpu.packed_attention)[1]
+        runs.append(([o[3] for o in outs], pages))
+        if dense:
+            assert decoded, "no prefill chunk read its groups dense"
+            calls = len(decoded)
+    assert len(decoded) == calls  # the packed kernel's run decoded nothing
+    for a, b in zip(*(r[0] for r in runs)):
+        torch.testing.assert_close(a, b, **BF16_OUT_TOL)
+    assert torch.equal(runs[0][1], runs[1][1])

@@ -264,6 +264,21 @@ def supports(fmt: PageFormat, device: torch.device | str, gqa: int) -> str | Non
     return format_reason(fmt) or load_library()
 
 
+def _descriptors_of(fmt: PageFormat) -> Descriptors:
+    """``fmt``'s kernel arguments; a format's first call checks that the kernel reads it
+    (ValueError otherwise) and builds the kernel (RuntimeError where it cannot)."""
+    desc = _descriptor_cache.get(fmt)
+    if desc is None:
+        reason = format_reason(fmt)
+        if reason:
+            raise ValueError(f"lowbit-kv C++ kernel: unsupported page format: {reason}")
+        reason = load_library()
+        if reason:
+            raise RuntimeError(reason)
+        desc = _descriptor_cache[fmt] = _descriptors(fmt)
+    return desc
+
+
 def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Tensor,
                      page: PageFormat | PageGeometry, group_table: torch.Tensor,
                      num_groups: torch.Tensor, skip_tokens: torch.Tensor, scale: float, *,
@@ -273,15 +288,7 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
     contiguous) to be overwritten. The kernel applies ``rotation`` itself: to each query
     vector as it loads it, to each output row as it writes it."""
     fmt = page_format(page)
-    desc = _descriptor_cache.get(fmt)
-    if desc is None:  # a format's first call: whether the kernel reads it, and is built
-        reason = format_reason(fmt)
-        if reason:
-            raise ValueError(f"lowbit-kv C++ kernel: unsupported page format: {reason}")
-        reason = load_library()
-        if reason:
-            raise RuntimeError(reason)
-        desc = _descriptor_cache[fmt] = _descriptors(fmt)
+    desc = _descriptors_of(fmt)
     out, lse, nothing = attention_outputs(query, q_start, group_table, out, lse)
     if nothing:
         return out, lse
@@ -293,6 +300,19 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
         desc.geometry, desc.key, desc.value, desc.fft_map, desc.codebooks, desc.key_columns,
         _NO_ROTATION if rotation is None else _rotation_pair(rotation), out, lse)
     return out, lse
+
+
+def decode_groups(pages: torch.Tensor, page: PageFormat | PageGeometry, gids: torch.Tensor,
+                  skip: int, key_out: torch.Tensor, value_out: torch.Tensor) -> None:
+    """Tokens ``[skip, G T)`` of the packed groups ``gids`` [G] (token order) decoded into
+    ``key_out`` and ``value_out`` [G T - skip, H, D] (float32, bfloat16 or float16, unit
+    stride in the last dim; slices of larger buffers are fine), in the pages' space: a
+    prefill chunk's packed context as dense rows, by the kernel's tile-path arithmetic."""
+    fmt = page_format(page)
+    desc = _descriptors_of(fmt)
+    torch.ops.lowbit_kv.decode_groups(
+        fmt.flat_pages(pages), _int64(gids), int(skip), desc.geometry, desc.key, desc.value,
+        desc.fft_map, desc.codebooks, desc.key_columns, key_out, value_out)
 
 
 def _int64(t) -> torch.Tensor:
@@ -326,6 +346,13 @@ def _rotation_pair(rotation: torch.Tensor) -> torch.Tensor:
     return pair
 
 
+def dense_runs(query: torch.Tensor) -> bool:
+    """Whether :func:`dense_attention` runs for ``query`` (and K, V of its dtype): the kernel
+    library loaded, the CPU, a :data:`DENSE_DTYPES` dtype and a head_dim it takes."""
+    return (_built and query.device.type == "cpu" and query.dtype in DENSE_DTYPES
+            and not query.shape[-1] % LANES)
+
+
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                     causal: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Attention of query [n, Hq, D] over key, value [S, H, D], all bfloat16 on the CPU
@@ -334,8 +361,7 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     AVX-512 BF16, else float32): out [n, Hq, D] and lse [n, Hq] float32. None where it
     does not run: other dtypes (:data:`DENSE_DTYPES`) or devices, a head_dim it does not
     take, or the kernel library not loaded (this never builds it)."""
-    if not _built or query.device.type != "cpu" or query.dtype not in DENSE_DTYPES or not (
-            query.dtype == key.dtype == value.dtype) or query.shape[-1] % LANES:
+    if not dense_runs(query) or not query.dtype == key.dtype == value.dtype:
         return None
     n, Hq, D = query.shape
     out = query.new_empty(n, Hq, D, dtype=torch.float32)

@@ -4,10 +4,12 @@ tokens), the context keys for relevance, and the attention mass STP scores token
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from ..ops import merge_attention
+from ..ops import cpu, merge_attention
 from ..ops.cpu import dense_attention, exact_decode_attention
 from .layout import PagedLayout
 from .plan import ReadPlan
@@ -114,20 +116,66 @@ def torch_causal_attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
+@dataclass
+class PackedGroups:
+    """A prefill chunk's packed context, read as dense rows (:func:`reads_packed_dense`):
+    tokens ``[skip, G T)`` of the groups ``gids`` of ``pages``."""
+
+    pages: torch.Tensor
+    layout: PagedLayout
+    gids: torch.Tensor
+    skip: int
+
+    @property
+    def tokens(self) -> int:
+        return self.gids.numel() * self.layout.T - self.skip
+
+    def decode_into(self, key_out: torch.Tensor, value_out: torch.Tensor) -> None:
+        cpu.decode_groups(self.pages, self.layout, self.gids, self.skip, key_out, value_out)
+
+
+def reads_packed_dense(packed_attention, layout: PagedLayout, query: torch.Tensor) -> bool:
+    """Whether prefill chunks read their packed context as dense rows, decoded by the C++
+    kernel's arithmetic, in the dense kernel's one pass over [context, own keys] (no
+    packed call, no merge): where the C++ kernel reads the pages (``packed_attention``
+    is it) and the dense kernel runs (bf16 on the CPU), without a rotation (the rows
+    would be rotated). Decode rows keep the packed kernel, which reads fewer bytes than
+    the rows it would decode."""
+    return (packed_attention is cpu.attention and layout.rotation is None
+            and cpu.dense_runs(query))
+
+
 def prefill_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float
+                            ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float,
+                            packed: PackedGroups | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """A prefill chunk's exact part: its rows q [Q, Hq, D] over the exact context ``ks``,
-    ``vs`` (each [1, E_i, H, D] float32: sinks, staged run) whole and over their own keys
+    ``vs`` (each [1, E_i, H, D] float32: sinks, staged run) and ``packed`` (its packed
+    groups, decoded; only where :func:`reads_packed_dense`) whole and over their own keys
     k, v [Q, H, D] causally -> out [Q, Hq, D], lse [Q, Hq] float32. With the dense kernel
-    one causal call over [context, own keys] (row i sees the E context keys and its own
+    one causal call over [context, own keys] (row i sees the context and its own keys
     0..i); otherwise the two parts apart, merged."""
-    if ks:  # the context is stored in the model dtype: back to it without loss
-        dense = dense_attention(q, torch.cat([*(x.to(k.dtype) for x in ks), k[None]], 1)[0],
-                                torch.cat([*(x.to(v.dtype) for x in vs), v[None]], 1)[0], scale,
-                                causal=True)
+    if (ks or packed is not None) and cpu.dense_runs(q):
+        # the context is stored in the model dtype: back to it without loss
+        E = (packed.tokens if packed is not None else 0) + sum(x.shape[1] for x in ks)
+        keys = k.new_empty(E + k.shape[0], *k.shape[1:])
+        values = v.new_empty(keys.shape)
+        at = 0
+        if packed is not None:
+            packed.decode_into(keys[:packed.tokens], values[:packed.tokens])
+            at = packed.tokens
+        for x, y in zip(ks, vs):
+            keys[at:at + x.shape[1]] = x[0]
+            values[at:at + x.shape[1]] = y[0]
+            at += x.shape[1]
+        keys[at:] = k
+        values[at:] = v
+        dense = dense_attention(q, keys, values, scale, causal=True)
         if dense is not None:
             return dense
+    if packed is not None:
+        raise RuntimeError("lowbit-kv: a prefill chunk's packed groups given where the dense "
+                           "kernel does not run")
     o, l = causal_attend_with_lse(q, k, v, scale)
     if ks:
         po, pl = attend_with_lse(q[None], torch.cat(ks, 1), torch.cat(vs, 1),
@@ -138,12 +186,14 @@ def prefill_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, pages: torch.Tensor, staging: Staging, scale: float
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    value: torch.Tensor, pages: torch.Tensor, staging: Staging, scale: float,
+                    packed_dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Every fresh row over its request's exact keys (:class:`ExactBatch`): out
     [n, Hq, D] float32 and lse [n, Hq], to merge with the packed part. A prefill chunk
     (one request, several rows) sees its sinks and staged run whole and its fresh tokens
-    causally (:func:`prefill_exact_attention`)."""
+    causally (:func:`prefill_exact_attention`); with ``packed_dense``
+    (:func:`reads_packed_dense`) its packed groups too, which the packed part then
+    leaves out."""
     n, Hq, D = query.shape[0], query.shape[1], query.shape[2]
     out = torch.empty(n, Hq, D, dtype=torch.float32, device=query.device)
     lse = torch.empty(n, Hq, dtype=torch.float32, device=query.device)
@@ -164,8 +214,13 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
             ks.append(staging.k.read_run(b.tail_slots, b.tail))
             vs.append(staging.v.read_run(b.tail_slots, b.tail))
         if b.bias is None:  # a prefill chunk
-            rows = b.rows[0]
-            o, l = prefill_exact_attention(query[rows], key[rows], value[rows], ks, vs, scale)
+            rows, r = b.rows[0], b.requests[0]
+            packed = None
+            if packed_dense and int(rplan.num_groups[r]) * layout.T > int(rplan.skip_tokens[r]):
+                packed = PackedGroups(pages, layout, rplan.group_table[r, :int(rplan.num_groups[r])],
+                                      int(rplan.skip_tokens[r]))
+            o, l = prefill_exact_attention(query[rows], key[rows], value[rows], ks, vs, scale,
+                                           packed)
         else:
             ks.append(key[b.rows].float())
             vs.append(value[b.rows].float())

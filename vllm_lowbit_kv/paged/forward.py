@@ -7,7 +7,7 @@ import torch
 from ..codecs.base import require
 from ..ops import merge_attention, packed_attention_reference
 from ..retrieval_heads import query_heads
-from .attention import attention_mass, context_keys, exact_attention
+from .attention import attention_mass, context_keys, exact_attention, reads_packed_dense
 from .layout import HeadSplitLayout, PagedLayout
 from .plan import ReadPlan, WritePlan
 from .write import Staging, encode_groups, stage_tokens, write_sink_tokens
@@ -42,12 +42,16 @@ def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query:
     _encode_in_dependency_order(wplan, rplan, layout, query, key, value, pages, staging, scale,
                                 obs_window)
     if n:
+        dense = reads_packed_dense(packed_attention, layout, query)
         res, res_lse = exact_attention(rplan, layout, query[:n], key, value, pages, staging,
-                                       scale)
-        if rplan.page_gids.numel():
+                                       scale, dense)
+        num_groups = rplan.num_groups
+        if dense:  # prefill chunks read theirs in exact_attention
+            num_groups = num_groups * (rplan.q_start_t.diff() == 1)
+        if bool(num_groups.any()):
             p_out, p_lse = packed_part(packed_attention or packed_attention_reference, layout,
                                        query[:n], rplan.q_start_t, pages, rplan.group_table,
-                                       rplan.num_groups, rplan.skip_tokens, scale)
+                                       num_groups, rplan.skip_tokens, scale)
             res, _ = merge_attention(p_out, p_lse, res, res_lse)
         out[:n] = res.to(out.dtype)
     stage_tokens(wplan, key, value, staging, query)

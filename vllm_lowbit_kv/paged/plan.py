@@ -71,6 +71,7 @@ class ExactBatch:
     area), the staged run of their context (residual window, then partial group) and
     their fresh tokens (causal). Planned once per step, used by every layer."""
 
+    requests: list[int]  # [B] the batch's requests (indices into the plan's requests)
     rows: torch.Tensor  # int64 [B, Q]: the fresh rows of each request
     sink_blocks: torch.Tensor  # int64 [B]: first block (sink area) of each request
     sinks: int  # sink positions read per request (the batch's largest skip_tokens)
@@ -151,7 +152,7 @@ def plan_exact(q_start: list[int], ctx_len: list[int], skip: list[int], staged: 
                                 torch.ones(len(reqs), 1, dtype=torch.bool)], dim=-1)
             bias = torch.zeros(attend.shape).masked_fill_(~attend, float("-inf"))[:, None, None]
         out.append(ExactBatch(
-            rows, torch.tensor([max(first_block[r], 0) for r in reqs]), S, slots, P, bias))
+            reqs, rows, torch.tensor([max(first_block[r], 0) for r in reqs]), S, slots, P, bias))
     return out
 
 

@@ -23,8 +23,10 @@
 //
 // Folding costs per query vector what a decode costs once, so an item with many query
 // vectors (a prefill chunk) instead decodes each group into float tiles, through those
-// same folded paths (unit queries give the key channels, one-hot probabilities the value
-// rows), and multiplies the tiles with all its query vectors (micro_gemm.h).
+// same folded paths for keys (unit queries give the key channels; values are decoded row
+// by row), and multiplies the tiles with all its query vectors (micro_gemm.h). The serving
+// path's bf16 prefill chunks instead take their groups as dense rows (decode_groups, the
+// same decode) into the dense kernel's one pass over context and own tokens.
 //
 // The build is -march=native, so the ISA is the machine's. Key columns of low-bit codes
 // are read through lookup tables (T-MAC style): per query vector and per group of bits of
@@ -75,6 +77,7 @@
 #include <vector>
 
 #include "descriptors.h"
+#include "dtypes.h"
 #include "micro_gemm.h"
 #include "vectors.h"
 
@@ -1270,6 +1273,20 @@ void accumulate_codes(const uint8_t* codes, int bits, const int* pos, int rows, 
   }
 }
 
+// KIVI per-token values as rows x[t * D + c] (x holds round_up(T D) floats), given their
+// scales then zeros sz [2][T][D / group] as floats
+void kivi_token_rows(const Format& f, const uint8_t* sv, float* x, const float* sz) {
+  const int T = f.T, D = f.D, bits = int(f.val[KT_BITS]), gs = int(f.val[KT_GROUP]), ng = D / gs;
+  decode_codes(sv + f.val[KT_CODES], code_bytes(int64_t(T) * D, bits), int64_t(T) * D, bits, x);
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < ng; ++g) {
+      const float sc = sz[t * ng + g], z = sz[T * ng + t * ng + g];
+      float* xr = x + t * D + g * gs;
+#pragma omp simd
+      for (int c = 0; c < gs; ++c) xr[c] = xr[c] * sc + z;
+    }
+}
+
 // p (probabilities, token order) may be overwritten
 void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, float* acc,
                        Scratch& s) {
@@ -1313,14 +1330,7 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
       }
       return;
     }
-    decode_codes(sv + d[KT_CODES], code_bytes(int64_t(T) * D, bits), int64_t(T) * D, bits, x);
-    for (int t = 0; t < T; ++t)
-      for (int g = 0; g < ng; ++g) {
-        const float sc = sz[t * ng + g], z = sz[T * ng + t * ng + g];
-        float* xr = x + t * D + g * gs;
-#pragma omp simd
-        for (int c = 0; c < gs; ++c) xr[c] = xr[c] * sc + z;
-      }
+    kivi_token_rows(f, sv, x, sz.data());
     accumulate(DenseRows<float>{x, D}, pos, T, p, M, D, TP, scale, nullptr, acc, s);
     return;
   }
@@ -1356,6 +1366,60 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
   int8_t* trits = reinterpret_cast<int8_t*>(x);
   decode_trits(sv + d[TV_TRITS], n * D, trits);
   accumulate(DenseRows<int8_t>{trits, D}, pos + np, n, p, M, D, TP, scale, nullptr, acc, s);
+}
+
+// Group sv's values as rows x[t * D + c] = v_t[c] (rows [T, TP) zero), each format's
+// arithmetic written out: the tile path's one-hot probabilities through accumulate_values
+// would cost T times a row's work per row.
+void value_rows(const Format& f, const uint8_t* sv, float* x, Scratch& s) {
+  const int T = f.T, D = f.D, TP = f.TP;
+  const auto& d = f.val;
+  std::fill(x + size_t(T) * D, x + size_t(TP) * D, 0.f);
+  float* scale = s.meta.data();
+  float* zero = scale + D;
+  // rows of b-bit codes at positions pos[0, rows) -> code * scale[c] + zero[c]
+  auto affine_rows = [&](const uint8_t* codes, int bits, const int* pos, int rows) {
+    float* c = s.x.data();
+    decode_codes(codes, code_bytes(int64_t(rows) * D, bits), int64_t(rows) * D, bits, c);
+    for (int i = 0; i < rows; ++i) {
+      float* xr = x + size_t(pos[i]) * D;
+#pragma omp simd
+      for (int j = 0; j < D; ++j) xr[j] = c[i * D + j] * scale[j] + zero[j];
+    }
+  };
+  int* pos = s.vpos.data();
+  if (d[0] == VAL_RVQ) {
+    rvq_decode(sv, d, f.val_books, T, D, x, s);
+  } else if (d[0] == VAL_KIVI_TOKEN) {
+    const int ng = D / int(d[KT_GROUP]);
+    std::vector<float>& sz = s.extra;
+    sz.resize(size_t(2) * T * ng);
+    halves_to_float(sv + d[KT_SCALE], T * ng, sz.data());
+    halves_to_float(sv + d[KT_ZERO], T * ng, sz.data() + T * ng);
+    kivi_token_rows(f, sv, x, sz.data());
+  } else if (d[0] == VAL_KIVI_CHANNEL) {
+    halves_to_float(sv + d[KC_SCALE], D, scale);
+    halves_to_float(sv + d[KC_ZERO], D, zero);
+    stp_positions(nullptr, T, 0, pos);
+    affine_rows(sv + d[KC_CODES], int(d[KC_BITS]), pos, T);
+  } else {  // ternary (+ STP): protected rows 2-bit per channel, the rest alpha_c * trit
+    const int np = int(d[TV_NP]), n = T - np;
+    stp_positions(np ? sv + d[TV_TOK_MASK] : nullptr, T, np, pos);
+    if (np) {
+      halves_to_float(sv + d[TV_PROT_SCALE], D, scale);
+      halves_to_float(sv + d[TV_PROT_ZERO], D, zero);
+      affine_rows(sv + d[TV_PROT_CODES], 2, pos, np);
+    }
+    halves_to_float(sv + d[TV_ALPHA], D, scale);
+    int8_t* trits = reinterpret_cast<int8_t*>(s.x.data());
+    decode_trits(sv + d[TV_TRITS], n * D, trits);
+    for (int i = 0; i < n; ++i) {
+      float* xr = x + size_t(pos[np + i]) * D;
+      const int8_t* tr = trits + i * D;
+#pragma omp simd
+      for (int j = 0; j < D; ++j) xr[j] = scale[j] * float(tr[j]);
+    }
+  }
 }
 
 // -- RVQ through per-query tables (decode items) -------------------------------------------
@@ -1651,10 +1715,10 @@ struct Work {
   // tile: whether an item of the call takes the tile path (1) or not (0: empty buffers);
   // bf16: the call's queries are bf16
   Work(const Format& f, int M, int64_t tile, bool bf16)
-      : s(f, tile ? std::max({M, f.D, f.TP}) : M),
+      : s(f, tile ? std::max(M, f.D) : M),
         tiles({int64_t(M) * f.D, int64_t(M) * f.TP, int64_t(M) * f.D, M, M,
                tile * f.D * f.TP, tile * f.TP * f.D,
-               tile * std::max(f.D, f.TP) * std::max(f.D, f.TP)}),
+               tile * f.D * f.D}),
         q(tiles[0]), sc(tiles[1]), acc(tiles[2]), mrun(tiles[3]), lsum(tiles[4]), kt(tiles[5]),
         vrows(tiles[6]), basis(tiles[7]), products(tile && bf16, tile * M, f.D, tile * f.TP) {}
 };
@@ -1684,11 +1748,11 @@ Work& kept_work(const Format& f, int M) {
 }
 
 // Group st decoded as tiles: wk.kt[c * TP + t] = k_t[c] and wk.vrows[t * D + c] = v_t[c]
-// (tokens in [T, TP) finite junk). The codecs are linear in what the kernel folds into
+// (tokens in [T, TP) finite junk). The key codecs are linear in what the kernel folds into
 // them, so the folded paths decode too: the scores of the unit vectors e_c are the key
-// channels, the value sums of one-hot probabilities the value rows. One definition of
-// every page format's arithmetic, the one the decode items use. RVQ's folded paths decode
-// the rows first, so its tiles are those rows (the basis would only multiply them by 1).
+// channels (one definition of every key format's arithmetic, the one the decode items use;
+// RVQ's folded path decodes the rows first, so its tiles are those rows). Values are
+// decoded row by row (value_rows).
 void decode_tiles(const Format& f, const uint8_t* st, Work& wk) {
   const int D = f.D, T = f.T, TP = f.TP;
   float* e = wk.basis;
@@ -1699,14 +1763,7 @@ void decode_tiles(const Format& f, const uint8_t* st, Work& wk) {
     for (int c = 0; c < D; ++c) e[c * D + c] = 1.f;
     key_scores(f, st, e, D, wk.kt, wk.s);
   }
-  std::fill(wk.vrows, wk.vrows + size_t(TP) * D, 0.f);
-  if (f.val[0] == VAL_RVQ) {
-    rvq_decode(st + f.k_bytes, f.val, f.val_books, T, D, wk.vrows, wk.s);
-  } else {
-    std::fill(e, e + size_t(T) * TP, 0.f);
-    for (int t = 0; t < T; ++t) e[t * TP + t] = 1.f;
-    accumulate_values(f, st + f.k_bytes, e, T, wk.vrows, wk.s);
-  }
+  value_rows(f, st + f.k_bytes, wk.vrows, wk.s);
 }
 
 // Online softmax over the item's groups. Leaves acc (unnormalized), mrun (running max)
@@ -1805,15 +1862,10 @@ void write_rows(const Run& run, int64_t r, int64_t h, const float* acc, const fl
 
 constexpr int64_t kMinGroupsPerSplit = 4;
 
-}  // namespace
-
-void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const at::Tensor& pages,
-                      const at::Tensor& group_table, const at::Tensor& num_groups,
-                      const at::Tensor& skip_tokens, double scale, at::IntArrayRef geometry,
-                      at::IntArrayRef key_desc, at::IntArrayRef value_desc,
-                      const at::Tensor& fft_map, const at::Tensor& codebooks,
-                      const at::Tensor& key_columns, const at::Tensor& rotation,
-                      const at::Tensor& out, const at::Tensor& lse) {
+// A page format from its descriptors (vllm_lowbit_kv/ops/cpu.py), checked
+Format make_format(at::IntArrayRef geometry, at::IntArrayRef key_desc, at::IntArrayRef value_desc,
+                   const at::Tensor& fft_map, const at::Tensor& codebooks,
+                   const at::Tensor& key_columns) {
   TORCH_CHECK(geometry.size() == G_COUNT, "geometry: ", G_COUNT, " entries expected");
   Format f{int(geometry[G_T]), int(geometry[G_D]), round_up(int(geometry[G_T])),
            int(geometry[G_H]), int(geometry[G_N]), geometry[G_SINK_BYTES],
@@ -1829,7 +1881,7 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
                   (f.val[0] == VAL_TERNARY && f.val.size() == TV_COUNT) ||
                   (f.val[0] == VAL_RVQ && f.val.size() == RV_COUNT),
               "value descriptor: unknown kind or length");
-  const int64_t T = f.T, D = f.D, H = f.H;
+  const int64_t D = f.D;
   // RVQ: codebooks holds the key codebooks (if the keys are RVQ), then the value codebooks
   int64_t book_floats = 0;
   for (const std::vector<int64_t>* d : {&f.key, &f.val})
@@ -1856,6 +1908,35 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
     if (f.val[0] == VAL_RVQ) f.val_books = books;
   }
   TORCH_CHECK(D % L == 0, "head_dim must be a multiple of ", L);
+  if (f.key[0] == KEY_VIDKV && fft_map.numel()) {
+    const int64_t n1 = f.key[VK_N1];
+    TORCH_CHECK(fft_map.scalar_type() == at::kFloat && fft_map.is_contiguous() &&
+                    fft_map.numel() == n1 * n1,
+                "fft_map: float32 contiguous [n1, n1] (A transposed)");
+    f.fft_map_t = fft_map.data_ptr<float>();
+  }
+  return f;
+}
+
+void check_pages(const Format& f, const at::Tensor& pages) {
+  TORCH_CHECK(pages.scalar_type() == at::kByte && pages.dim() == 3 && pages.size(1) == f.H &&
+                  pages.stride(2) == 1,
+              "pages: uint8 [num_blocks, H, page bytes] with unit stride in the last dim");
+  TORCH_CHECK(pages.size(2) == f.sink_bytes + f.N * f.state_bytes, "pages: ",
+              f.sink_bytes + f.N * f.state_bytes, " bytes per head expected");
+}
+
+}  // namespace
+
+void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const at::Tensor& pages,
+                      const at::Tensor& group_table, const at::Tensor& num_groups,
+                      const at::Tensor& skip_tokens, double scale, at::IntArrayRef geometry,
+                      at::IntArrayRef key_desc, at::IntArrayRef value_desc,
+                      const at::Tensor& fft_map, const at::Tensor& codebooks,
+                      const at::Tensor& key_columns, const at::Tensor& rotation,
+                      const at::Tensor& out, const at::Tensor& lse) {
+  const Format f = make_format(geometry, key_desc, value_desc, fft_map, codebooks, key_columns);
+  const int64_t T = f.T, D = f.D, H = f.H;
   TORCH_CHECK(query.dim() == 3 && query.size(2) == D && query.stride(2) == 1,
               "query: [n, Hq, ", D, "] with unit stride in the last dim");
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16 ||
@@ -1863,11 +1944,7 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
               "query dtype: float32, bfloat16 or float16");
   const int64_t n = query.size(0), Hq = query.size(1);
   TORCH_CHECK(Hq % H == 0, "query heads (", Hq, ") must be a multiple of the KV heads (", H, ")");
-  TORCH_CHECK(pages.scalar_type() == at::kByte && pages.dim() == 3 && pages.size(1) == H &&
-                  pages.stride(2) == 1,
-              "pages: uint8 [num_blocks, H, page bytes] with unit stride in the last dim");
-  TORCH_CHECK(pages.size(2) == f.sink_bytes + f.N * f.state_bytes, "pages: ",
-              f.sink_bytes + f.N * f.state_bytes, " bytes per head expected");
+  check_pages(f, pages);
   for (const at::Tensor* t : {&q_start, &group_table, &num_groups, &skip_tokens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
                 "index tensors: int64 contiguous");
@@ -1880,13 +1957,6 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
               "out: float32 contiguous [n, Hq, D]");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == n * Hq,
               "lse: float32 contiguous [n, Hq]");
-  if (f.key[0] == KEY_VIDKV && fft_map.numel()) {
-    const int64_t n1 = f.key[VK_N1];
-    TORCH_CHECK(fft_map.scalar_type() == at::kFloat && fft_map.is_contiguous() &&
-                    fft_map.numel() == n1 * n1,
-                "fft_map: float32 contiguous [n1, n1] (A transposed)");
-    f.fft_map_t = fft_map.data_ptr<float>();
-  }
   TORCH_CHECK(rotation.numel() == 0 ||
                   (rotation.scalar_type() == at::kFloat && rotation.is_contiguous() &&
                    rotation.numel() == 2 * D * D),
@@ -2023,6 +2093,56 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
   });
 }
 
+// One context's packed groups as dense rows, for a prefill chunk that attends to them with
+// the dense kernel (vllm_lowbit_kv/paged/attention.py): tokens [skip, G T) of the groups
+// gids (token order) -> rows [0, G T - skip) of key_out and value_out [rows, H, D] (float32,
+// bfloat16 or float16; unit stride in the last dim), in the pages' space (a rotating layout's
+// rows stay rotated). decode_tiles, so the same arithmetic as the tile path above.
+void decode_groups(const at::Tensor& pages, const at::Tensor& gids, int64_t skip,
+                   at::IntArrayRef geometry, at::IntArrayRef key_desc,
+                   at::IntArrayRef value_desc, const at::Tensor& fft_map,
+                   const at::Tensor& codebooks, const at::Tensor& key_columns,
+                   const at::Tensor& key_out, const at::Tensor& value_out) {
+  const Format f = make_format(geometry, key_desc, value_desc, fft_map, codebooks, key_columns);
+  check_pages(f, pages);
+  const int64_t T = f.T, D = f.D, H = f.H, TP = f.TP, G = gids.numel();
+  TORCH_CHECK(gids.scalar_type() == at::kLong && gids.is_contiguous(),
+              "gids: int64 contiguous");
+  TORCH_CHECK(skip >= 0 && skip <= G * T, "skip: in [0, ", G * T, "]");
+  const int64_t rows = G * T - skip;
+  for (const at::Tensor* t : {&key_out, &value_out})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == rows && t->size(1) == H && t->size(2) == D &&
+                    t->stride(2) == 1 &&
+                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16 ||
+                     t->scalar_type() == at::kHalf),
+                "key_out, value_out: float32, bfloat16 or float16 [", rows, ", ", H, ", ", D,
+                "] with unit stride in the last dim");
+  const int64_t* g = gids.data_ptr<int64_t>();
+  const int64_t num_gids = pages.size(0) * f.N;
+  for (int64_t i = 0; i < G; ++i)
+    TORCH_CHECK(g[i] >= 0 && g[i] < num_gids, "gids[", i, "] = ", g[i], " outside the cache's ",
+                num_gids, " groups");
+  const uint8_t* base = pages.data_ptr<uint8_t>();
+  const MutableView ko(key_out), vo(value_out);
+  at::parallel_for(0, G * H, 1, [&](int64_t begin, int64_t end) {
+    Work wk(f, 1, 1, false);
+    float* key_rows = wk.s.x.data();  // free once the group is decoded
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t gi = k / H, h = k % H, gid = g[gi];
+      decode_tiles(f, base + (gid / f.N) * pages.stride(0) + h * pages.stride(1) + f.sink_bytes +
+                          (gid % f.N) * f.state_bytes,
+                   wk);
+      rows_to_columns([&](int c, int t) { return loadf(wk.kt + c * TP + t); }, int(D), int(D),
+                      int(TP), key_rows, D);
+      for (int64_t t = std::max<int64_t>(skip - gi * T, 0); t < T; ++t) {
+        const int64_t r = gi * T + t - skip;
+        narrow(key_rows + t * D, D, ko.dtype, ko.at(r, h));
+        narrow(wk.vrows + t * D, D, vo.dtype, vo.at(r, h));
+      }
+    }
+  });
+}
+
 TORCH_LIBRARY_FRAGMENT(lowbit_kv, m) {
   m.def(
       "packed_attention(Tensor query, Tensor q_start, Tensor pages, Tensor group_table, "
@@ -2031,6 +2151,16 @@ TORCH_LIBRARY_FRAGMENT(lowbit_kv, m) {
       "Tensor(a!) out, Tensor(b!) lse) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(lowbit_kv, CPU, m) { m.impl("packed_attention", &packed_attention); }
+TORCH_LIBRARY_FRAGMENT(lowbit_kv, m) {
+  m.def(
+      "decode_groups(Tensor pages, Tensor gids, int skip, int[] geometry, int[] key_desc, "
+      "int[] value_desc, Tensor fft_map, Tensor codebooks, Tensor key_columns, "
+      "Tensor(a!) key_out, Tensor(b!) value_out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(lowbit_kv, CPU, m) {
+  m.impl("packed_attention", &packed_attention);
+  m.impl("decode_groups", &decode_groups);
+}
 
 }  // namespace lowbit_kv
