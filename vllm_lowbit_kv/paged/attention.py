@@ -216,9 +216,9 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
         if b.bias is None:  # a prefill chunk
             rows, r = b.rows[0], b.requests[0]
             packed = None
-            if packed_dense and int(rplan.num_groups[r]) * layout.T > int(rplan.skip_tokens[r]):
-                packed = PackedGroups(pages, layout, rplan.group_table[r, :int(rplan.num_groups[r])],
-                                      int(rplan.skip_tokens[r]))
+            groups, skip = int(rplan.num_groups[r]), int(rplan.skip_tokens[r])
+            if packed_dense and groups * layout.T > skip:
+                packed = PackedGroups(pages, layout, rplan.group_table[r, :groups], skip)
             o, l = prefill_exact_attention(query[rows], key[rows], value[rows], ks, vs, scale,
                                            packed)
         else:
