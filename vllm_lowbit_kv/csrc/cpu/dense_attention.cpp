@@ -20,10 +20,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -51,14 +54,50 @@ struct Args {
   float *out, *lse;
 };
 
-// rows [i0, i1) of KV head h
+#if defined(__AVX512BF16__)
+// The keys and values of every block of KB keys of every KV head as pair tiles
+// (micro_gemm.h), laid out once per call from the bf16 rows: every row block of a head
+// reads the same tiles.
+class PairBlocks {
+ public:
+  explicit PairBlocks(const Args<uint16_t>& a) {
+    const int64_t S = a.causal ? std::clamp<int64_t>(a.n + a.offset, 0, a.S) : a.S;
+    blocks_ = (S + KB - 1) / KB;
+    block_words_ = KB * a.D / 2;
+    words_.reset(new uint32_t[size_t(a.H * blocks_ * 2 * block_words_)]);
+    at::parallel_for(0, a.H * blocks_, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t h = it / blocks_, b = it % blocks_, j0 = b * KB;
+        const int nt = int(std::min<int64_t>(KB, S - j0));
+        key_pairs_bf16([&](int t) { return a.k + (j0 + t) * a.ks0 + h * a.ks1; }, nt,
+                       round_up(nt), a.D, keys(h, b), KB);
+        value_pairs_bf16([&](int t) { return a.v + (j0 + t) * a.vs0 + h * a.vs1; }, nt, a.D,
+                         values(h, b));
+      }
+    });
+  }
+  uint32_t* keys(int64_t h, int64_t b) const {
+    return words_.get() + (h * blocks_ + b) * 2 * block_words_;
+  }
+  uint32_t* values(int64_t h, int64_t b) const { return keys(h, b) + block_words_; }
+
+ private:
+  int64_t blocks_, block_words_;
+  std::unique_ptr<uint32_t[]> words_;  // [H][blocks][keys, values]
+};
+#else
+struct PairBlocks {};  // no pair tiles in this build: never constructed
+#endif
+
+// rows [i0, i1) of KV head h; keys and values from `pairs` where given (bf16 pair tiles),
+// else laid out per block from the rows
 template <typename T>
-void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
+void run_item(const Args<T>& a, const PairBlocks* pairs, int64_t h, int64_t i0, int64_t i1) {
   const int64_t G = a.Hq / a.H, D = a.D, M = (i1 - i0) * G;
   TileProducts products(std::is_same_v<T, uint16_t>, M, D, KB);
   const float q_scale = products.bf16() ? 1.f : a.scale;
   const float score_scale = products.bf16() ? a.scale : 1.f;
-  const TilePool tiles({M * D, M * D, M * KB, D * KB, KB * D});
+  const TilePool tiles({M * D, M * D, M * KB, pairs ? 0 : D * KB, pairs ? 0 : KB * D});
   float *q = tiles[0], *o = tiles[1], *p = tiles[2], *kt = tiles[3], *vt = tiles[4];
   std::vector<float> mrun(M, kNegInf), lsum(M, 0.f);
   std::vector<int64_t> limit(M);  // query vector m sees keys [0, limit[m])
@@ -72,18 +111,27 @@ void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
   const int64_t jmax = *std::max_element(limit.begin(), limit.end());
   for (int64_t j0 = 0; j0 < jmax; j0 += KB) {
     const int nt = int(std::min<int64_t>(KB, jmax - j0)), ntp = round_up(nt);
-    const T* keys = a.k + j0 * a.ks0 + h * a.ks1;  // transposed; past nt: 0
-    rows_to_columns([&](int t, int c) { return load16(keys + t * a.ks0 + c); }, nt, ntp,
-                    int(D), kt, KB);
-    for (int t = 0; t < ntp; ++t) {  // values as rows; past nt: 0
-      const T* vr = a.v + (j0 + t) * a.vs0 + h * a.vs1;
-      for (int64_t c = 0; c < D; c += L) storef(&vt[t * D + c], t < nt ? load16(vr + c) : vf{});
+#if defined(__AVX512BF16__)
+    if (pairs) products.pair_scores(pairs->keys(h, j0 / KB), KB, ntp, p, KB);
+#endif
+    if (!pairs) {
+      const T* keys = a.k + j0 * a.ks0 + h * a.ks1;  // transposed; past nt: 0
+      rows_to_columns([&](int t, int c) { return load16(keys + t * a.ks0 + c); }, nt, ntp,
+                      int(D), kt, KB);
+      for (int t = 0; t < ntp; ++t) {  // values as rows; past nt: 0
+        const T* vr = a.v + (j0 + t) * a.vs0 + h * a.vs1;
+        for (int64_t c = 0; c < D; c += L)
+          storef(&vt[t * D + c], t < nt ? load16(vr + c) : vf{});
+      }
+      products.scores(kt, KB, ntp, p, KB);
     }
-    products.scores(kt, KB, ntp, p, KB);
     for (int64_t m = 0; m < M; ++m)  // online softmax, probabilities in place
       softmax_block(&p[m * KB], ntp, 0, int(std::min<int64_t>(nt, limit[m] - j0)), score_scale,
                     mrun[m], lsum[m], &o[m * D], int(D));
-    products.values(p, KB, vt, nt, o);
+#if defined(__AVX512BF16__)
+    if (pairs) products.pair_values(p, KB, pairs->values(h, j0 / KB), nt, o);
+#endif
+    if (!pairs) products.values(p, KB, vt, nt, o);
   }
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = i0 + m / G, hq = h * G + m % G;
@@ -94,13 +142,23 @@ void run_item(const Args<T>& a, int64_t h, int64_t i0, int64_t i1) {
   }
 }
 
+// Work items (KV head, block of RB rows) taken by the threads one at a time, the last row
+// blocks first: causal row blocks differ in work (the last sees the most keys), and
+// at::parallel_for's static split handed one thread all the long ones (the other waited
+// about a third of a prefill chunk's kernel time).
 template <typename T>
 void run(const Args<T>& a) {
-  const int64_t row_blocks = (a.n + RB - 1) / RB;
-  at::parallel_for(0, a.H * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t h = it % a.H, i0 = (it / a.H) * RB;
-      run_item(a, h, i0, std::min(a.n, i0 + RB));
+  std::optional<PairBlocks> pairs;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>)
+    if (TileProducts::pairs_for(true, a.D)) pairs.emplace(a);
+#endif
+  const int64_t row_blocks = (a.n + RB - 1) / RB, items = a.H * row_blocks;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
+    for (int64_t k = next++; k < items; k = next++) {
+      const int64_t h = k % a.H, i0 = (row_blocks - 1 - k / a.H) * RB;
+      run_item(a, pairs ? &*pairs : nullptr, h, i0, std::min(a.n, i0 + RB));
     }
   });
 }

@@ -227,6 +227,28 @@ inline void value_pairs(const float* v, int64_t D, int n, const float* zeros, ui
                                                                       : zeros));
 }
 
+// bf16 rows straight to pair tiles, no float round trip (the same words as key_pairs and
+// value_pairs of the rows widened): key(t) -> D bf16 channels of key t (n keys, zero past
+// them up to np, a multiple of L) -> kp [D / 2][ldk], a word per channel pair is a 32-bit
+// transpose; value(t) likewise -> vp [ceil(n / 2)][D]
+template <typename Row>
+inline void key_pairs_bf16(Row key, int n, int np, int64_t D, uint32_t* kp, int64_t ldk) {
+  rows_to_columns([&](int t, int p) { return loadf(reinterpret_cast<const float*>(key(t)) + p); },
+                  n, np, int(D / 2), reinterpret_cast<float*>(kp), ldk);
+}
+template <typename Row>
+inline void value_pairs_bf16(Row value, int n, int64_t D, uint32_t* vp) {
+  for (int i = 0; 2 * i < n; ++i) {
+    const uint16_t *a = value(2 * i), *b = 2 * i + 1 < n ? value(2 * i + 1) : nullptr;
+    for (int64_t c = 0; c < D; c += L) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + c)));
+      const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(b + c)))
+                           : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + i * D + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
 #endif
 
 #if defined(LOWBIT_AMX)
@@ -313,8 +335,13 @@ inline void amx_values(const uint32_t* p, int64_t ldp, int M16, const uint32_t* 
 // Per item queries(); per tile scores(), the softmax, values().
 class TileProducts {
  public:
+  // whether the products of bf16 inputs with D channels run on pair tiles
+  static bool pairs_for(bool bf16_inputs, int64_t D) {
+    return kBf16Tiles && bf16_inputs && D % (2 * L) == 0;
+  }
+
   TileProducts(bool bf16_inputs, int64_t rows, int64_t D, int64_t keys)
-      : bf16_(kBf16Tiles && bf16_inputs && D % (2 * L) == 0),
+      : bf16_(pairs_for(bf16_inputs, D)),
 #if defined(LOWBIT_AMX)
         amx_(bf16_ && D % 32 == 0 && amx_granted()),
 #endif
@@ -339,15 +366,7 @@ class TileProducts {
 #if defined(__AVX512BF16__)
     if (bf16_) {
       key_pairs(kt, ldk, D_, n, words(kKeys));
-      int done = 0;  // rows by AMX tiles, the rest by pair vectors
-#if defined(LOWBIT_AMX)
-      if (amx_ && n % 32 == 0) {
-        done = M_ / 16 * 16;
-        amx_scores(words(kQuery), done, D_, words(kKeys), ldk, n, sc, ldc);
-      }
-#endif
-      tile_scores<Bf16PairTiles>(words(kQuery) + done * D_ / 2, M_ - done, D_, words(kKeys), ldk,
-                                 n, sc + done * ldc, ldc);
+      pair_scores(words(kKeys), ldk, n, sc, ldc);
       return;
     }
 #endif
@@ -358,24 +377,43 @@ class TileProducts {
   void values(const float* p, int64_t ldp, const float* v, int n, float* o) {
 #if defined(__AVX512BF16__)
     if (bf16_) {
-      uint32_t* pw = words(kProbabilities);
       value_pairs(v, D_, n, pairs_[kZeros], words(kValues));
-      for (int m = 0; m < M_; ++m)
-        bf16_row(p + m * ldp, round_up(n), reinterpret_cast<uint16_t*>(pw + m * ldp / 2));
-      int done = 0;  // rows by AMX tiles, the rest by pair vectors
-#if defined(LOWBIT_AMX)
-      if (amx_ && n % 32 == 0) {
-        done = M_ / 16 * 16;
-        amx_values(pw, ldp / 2, done, words(kValues), D_, n / 2, o);
-      }
-#endif
-      tile_values<Bf16PairTiles>(pw + done * ldp / 2, ldp / 2, M_ - done, words(kValues), D_, n,
-                                 o + done * D_);
+      pair_values(p, ldp, words(kValues), n, o);
       return;
     }
 #endif
     tile_values<FloatTiles>(p, ldp, M_, v, D_, n, o);
   }
+
+#if defined(__AVX512BF16__)
+  // scores() and values() of keys and values already in pair tiles (kp as key_pairs and
+  // vp as value_pairs write them); bf16() only
+  void pair_scores(const uint32_t* kp, int64_t ldk, int n, float* sc, int64_t ldc) {
+    int done = 0;  // rows by AMX tiles, the rest by pair vectors
+#if defined(LOWBIT_AMX)
+    if (amx_ && n % 32 == 0) {
+      done = M_ / 16 * 16;
+      amx_scores(words(kQuery), done, D_, kp, ldk, n, sc, ldc);
+    }
+#endif
+    tile_scores<Bf16PairTiles>(words(kQuery) + done * D_ / 2, M_ - done, D_, kp, ldk, n,
+                               sc + done * ldc, ldc);
+  }
+  void pair_values(const float* p, int64_t ldp, const uint32_t* vp, int n, float* o) {
+    uint32_t* pw = words(kProbabilities);
+    for (int m = 0; m < M_; ++m)
+      bf16_row(p + m * ldp, round_up(n), reinterpret_cast<uint16_t*>(pw + m * ldp / 2));
+    int done = 0;
+#if defined(LOWBIT_AMX)
+    if (amx_ && n % 32 == 0) {
+      done = M_ / 16 * 16;
+      amx_values(pw, ldp / 2, done, vp, D_, n / 2, o);
+    }
+#endif
+    tile_values<Bf16PairTiles>(pw + done * ldp / 2, ldp / 2, M_ - done, vp, D_, n,
+                               o + done * D_);
+  }
+#endif
 
  private:
   enum Buffer { kQuery, kKeys, kValues, kProbabilities, kZeros };
