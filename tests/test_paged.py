@@ -8,6 +8,8 @@ precision; (2) for STP, the transformers yardstick's own layer
 bytes must be identical.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from vllm_lowbit_kv.hf_cache import LowBitLayer
 from vllm_lowbit_kv.hf_cache.layer import VisualTokens
 from vllm_lowbit_kv.paged import (PagedLayout, Staging, StagingAllocator, apply_writes, attend,
                                   attention_mass, forward_layer)
+from vllm_lowbit_kv.paged.write import encode_groups, stage_tokens
 from vllm_lowbit_kv.schemes import get_scheme
 
 H, HQ, D = 3, 9, 64
@@ -249,6 +252,32 @@ def test_sinks_survive_prefix_caching():
     ref = attend(q[fresh], kk, vv, 2 * bs, D ** -0.5)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
     assert wp.sink_tok.numel() == 0  # B wrote no sinks: they came from the cached page
+
+
+def test_prefill_groups_read_as_one_slice_match_the_gather():
+    """A prefill chunk's completed groups are fresh rows back to back (WritePlan.enc_run):
+    encode_groups copies them as one slice, with the bytes of the general gather (staged
+    tokens, then the fresh ones by index), and its sink masking leaves the step's keys
+    alone; a step that completes a staged group takes the gather."""
+    torch.manual_seed(4)
+    layout, pages, staging, alloc = make("vidkv", sinks=4)
+    bs, T = layout.block_size, layout.T
+    n = 2 * bs + 5
+    k, v = rnd(n, H, D).bfloat16(), rnd(n, H, D).bfloat16()
+    k_before = k.clone()
+    wp, _ = alloc.plan_step(3 * bs + torch.arange(n), [n], [0, n], torch.tensor([[3, 4, 5]]),
+                            layout.groups_per_block)
+    assert wp.enc_run == 0 and wp.enc_gids.numel() == 2 * bs // T
+    gathered = pages.clone()
+    encode_groups(wp, layout, k, v, pages, staging)
+    assert torch.equal(k, k_before)
+    encode_groups(dataclasses.replace(wp, enc_run=-1), layout, k, v, gathered, staging)
+    assert torch.equal(pages, gathered) and bool(pages.any())
+    stage_tokens(wp, k, v, staging)
+    k2, v2 = rnd(T, H, D).bfloat16(), rnd(T, H, D).bfloat16()  # completes the staged group
+    wp2, _ = alloc.plan_step(5 * bs + 5 + torch.arange(T), [n + T], [0, T],
+                             torch.tensor([[3, 4, 5]]), layout.groups_per_block)
+    assert wp2.enc_run == -1 and bool((wp2.enc_src_slot >= 0).any())
 
 
 @pytest.mark.parametrize("scheme,sinks,obs_window", [("vidkv", 4, None), ("vidkv_stp", 0, 8)])

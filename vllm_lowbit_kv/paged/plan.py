@@ -28,8 +28,7 @@ class WritePlan:
     enc_gids: torch.Tensor  # [E]
     enc_src_slot: torch.Tensor  # [E] slot holding the group's earlier tokens, -1: none
     enc_tok: torch.Tensor  # fresh tokens of completed groups ...
-    enc_row: torch.Tensor  # ... their row in [E] ...
-    enc_off: torch.Tensor  # ... and their offset in the group
+    enc_dest: torch.Tensor  # ... and their row in the groups' [E * T] (group * T + offset)
     enc_req: torch.Tensor  # [E] request (row of the step) owning the group, -1: unknown
     enc_start: torch.Tensor  # [E] position of the group's first token, -1: unknown
     enc_sink: torch.Tensor  # [E] leading rows that are sink tokens (group 0), else 0
@@ -39,6 +38,9 @@ class WritePlan:
     sink_pos: torch.Tensor
     # [E, T] bool: visual (image, video-frame) tokens of the completed groups; None: none
     enc_visual: torch.Tensor | None = None
+    # the completed groups' tokens are fresh rows [enc_run, enc_run + E T) in group order (a
+    # prefill chunk's groups), else -1
+    enc_run: int = -1
 
     @property
     def empty(self) -> bool:
@@ -102,8 +104,19 @@ def _visual_mask(visual: list[torch.Tensor | None] | None, enc_req: torch.Tensor
     return mask if bool(mask.any()) else None
 
 
+def _fresh_run(enc_tok: torch.Tensor, enc_dest: torch.Tensor, enc_src_slot: torch.Tensor) -> int:
+    """WritePlan.enc_run: the first fresh row when the completed groups are fresh rows back
+    to back (none continues from staging; token i fills row i of the groups), else -1."""
+    n = enc_tok.numel()
+    if n == 0 or bool((enc_src_slot >= 0).any()):
+        return -1
+    steps = torch.arange(n)
+    first = int(enc_tok[0])
+    return first if torch.equal(enc_dest, steps) and torch.equal(enc_tok, steps + first) else -1
+
+
 def _empty_write_plan() -> WritePlan:
-    return WritePlan(*([EMPTY_INDEX] * 14))
+    return WritePlan(*([EMPTY_INDEX] * 13))
 
 
 def make_read_plan(table: torch.Tensor, num_groups: torch.Tensor, tail_slot: list[int],
@@ -438,11 +451,13 @@ class StagingAllocator:
                     sink_tok = tok[is_sink]
                     sink_pos = pos[is_sink]
                     sink_block = first_block[req.to("cpu", torch.long)[sink_tok]]
+        enc_src_slot = torch.tensor(src_for, dtype=torch.long)[comp]
+        enc_tok, enc_dest = tok[tok_comp], row_of[inv[tok_comp]] * T + off[tok_comp]
         return WritePlan(
             stage_tok=tok[staged], stage_slot=slot_t[inv[staged]], stage_off=off[staged],
-            enc_gids=ugid[comp], enc_src_slot=torch.tensor(src_for, dtype=torch.long)[comp],
-            enc_tok=tok[tok_comp], enc_row=row_of[inv[tok_comp]], enc_off=off[tok_comp],
+            enc_gids=ugid[comp], enc_src_slot=enc_src_slot, enc_tok=enc_tok, enc_dest=enc_dest,
             enc_req=enc_req, enc_start=enc_start, enc_sink=enc_sink,
             sink_tok=sink_tok, sink_block=sink_block, sink_pos=sink_pos,
             enc_visual=_visual_mask(visual, enc_req, enc_start, T),
+            enc_run=_fresh_run(enc_tok, enc_dest, enc_src_slot),
         )

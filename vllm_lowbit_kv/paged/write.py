@@ -133,17 +133,9 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
         write_sink_tokens(plan, layout, key, value, pages)
     if E == 0 or (rows is not None and rows.numel() == 0):
         return
-    T, H, D = layout.T, layout.H, layout.D
     cpp = key.dtype != torch.float32
-    tk = torch.zeros(E, T, H, D, dtype=torch.float32, device=key.device)
-    tv = torch.zeros_like(tk)
-    has = plan.enc_src_slot >= 0
-    if bool(has.any()):
-        src_rows, src = torch.nonzero(has).flatten(), plan.enc_src_slot[has]
-        tk[src_rows] = staging.k.read(src)
-        tv[src_rows] = staging.v.read(src)
-    tk[plan.enc_row, plan.enc_off] = key[plan.enc_tok].float()
-    tv[plan.enc_row, plan.enc_off] = value[plan.enc_tok].float()
+    tk = _completed_groups(plan, layout.T, key, staging.k)
+    tv = _completed_groups(plan, layout.T, value, staging.v)
     if relevance is not None and plan.enc_visual is not None:
         relevance = rank_protected(relevance, plan.enc_visual.to(relevance.device),
                                    layout.protect_first)
@@ -154,6 +146,25 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
         sinks, gids = sinks[rows.to(sinks.device)], gids[rows.to(gids.device)]
     relevance = _mask_sinks(tk, tv, relevance, sinks)
     layout.write_states(pages, gids, layout.encode(tk, tv, relevance, cpp))
+
+
+def _completed_groups(plan: WritePlan, T: int, x: torch.Tensor, staged: StagedTokens
+                      ) -> torch.Tensor:
+    """The completed groups' tokens of one of K, V: float32 [E, T, H, D], a new tensor
+    (their sink rows get masked in place): the earlier tokens from their staging slots,
+    the fresh ones from ``x`` [tokens, H, D]."""
+    E, (H, D) = plan.enc_gids.numel(), x.shape[1:]
+    if plan.enc_run >= 0:  # a prefill chunk's groups: one slice of the fresh rows
+        groups = torch.empty(E, T, H, D, dtype=torch.float32, device=x.device)
+        groups.view(E * T, H, D).copy_(x[plan.enc_run:plan.enc_run + E * T])
+        return groups
+    groups = torch.zeros(E, T, H, D, dtype=torch.float32, device=x.device)
+    has = plan.enc_src_slot >= 0
+    if bool(has.any()):
+        groups[torch.nonzero(has).flatten()] = staged.read(plan.enc_src_slot[has])
+    groups.view(E * T, H, D).index_copy_(0, plan.enc_dest.to(x.device),
+                                         x[plan.enc_tok].float())
+    return groups
 
 
 def _mask_sinks(tk: torch.Tensor, tv: torch.Tensor, relevance: torch.Tensor | None,
