@@ -36,7 +36,7 @@
 namespace lowbit_kv {
 namespace {
 
-constexpr int KB = 4 * L;   // keys per block
+constexpr int KB = 8 * L;   // keys per block
 constexpr int RB = 64;      // query rows per work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
