@@ -99,8 +99,9 @@ void run_item(const Args<T>& a, const PairBlocks* pairs, int64_t h, int64_t i0, 
   const float score_scale = products.bf16() ? a.scale : 1.f;
   const TilePool tiles({M * D, M * D, M * KB, pairs ? 0 : D * KB, pairs ? 0 : KB * D});
   float *q = tiles[0], *o = tiles[1], *p = tiles[2], *kt = tiles[3], *vt = tiles[4];
-  std::vector<float> mrun(M, kNegInf), lsum(M, 0.f);
+  std::vector<float> mrun(M, kNegInf), lsum(M, 0.f), corr(M);
   std::vector<int64_t> limit(M);  // query vector m sees keys [0, limit[m])
+  std::vector<int> hi(M);         // ... of the block: [0, hi[m])
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = i0 + m / G, hq = h * G + m % G;
     const T* src = a.q + i * a.qs0 + hq * a.qs1;
@@ -125,9 +126,9 @@ void run_item(const Args<T>& a, const PairBlocks* pairs, int64_t h, int64_t i0, 
       }
       products.scores(kt, KB, ntp, p, KB);
     }
-    for (int64_t m = 0; m < M; ++m)  // online softmax, probabilities in place
-      softmax_block(&p[m * KB], ntp, 0, int(std::min<int64_t>(nt, limit[m] - j0)), score_scale,
-                    mrun[m], lsum[m], &o[m * D], int(D));
+    for (int64_t m = 0; m < M; ++m) hi[m] = int(std::clamp<int64_t>(limit[m] - j0, 0, nt));
+    softmax_rows(p, int(M), KB, ntp, hi.data(), score_scale, mrun.data(), lsum.data(), o, int(D),
+                 corr.data());  // online softmax, probabilities in place
 #if defined(__AVX512BF16__)
     if (pairs) products.pair_values(p, KB, pairs->values(h, j0 / KB), nt, o);
 #endif

@@ -215,5 +215,55 @@ inline float softmax_block(float* row, int n, int lo, int hi, float scale, float
   return corr;
 }
 
+// softmax_block for M rows at once: row m at p + m * ldp, its positions [0, hi[m]) counting
+// (hi[m] <= n), scale as there; mrun, lsum [M] and acc [M][D] as there; corr [M] scratch.
+// Each step runs over all rows before the next (the maxima, the corrections as vectors of
+// rows, then the exponentials and sums): within a row the steps are a chain of dependent
+// reductions, across rows they are independent, and the CPU overlaps them only when they
+// come one after another (row by row, the dense kernel's softmax took half its time).
+inline void softmax_rows(float* p, int M, int64_t ldp, int n, const int* hi, float scale,
+                         float* mrun, float* lsum, float* acc, int D, float* corr) {
+  constexpr float kNoKey = -std::numeric_limits<float>::infinity();
+  const vi lane = iota();
+  for (int m = 0; m < M; ++m) {  // maxima (masked positions set to -inf)
+    float* row = p + m * ldp;
+    vf mx = splat(kNoKey);
+    for (int t = 0; t < n; t += L) {
+      vf s = loadf(row + t) * scale;
+      if (t + L > hi[m]) {
+        s = lane + t < hi[m] ? s : splat(kNoKey);
+      }
+      storef(row + t, s);
+      mx = mx > s ? mx : s;
+    }
+    corr[m] = mrun[m];
+    mrun[m] = std::max(mrun[m], hmax(mx));
+  }
+  for (int m = 0; m < M; m += L) {  // corrections exp(old m - new m), 1 where nothing was summed
+    const int lanes = std::min(L, M - m);
+    const vf old = loadf_first(corr + m, lanes), now = loadf_first(mrun + m, lanes);
+    storef_first(corr + m, old == splat(kNoKey) ? splat(1.f) : vexp(old - now), lanes);
+  }
+  for (int m = 0; m < M; ++m) {  // probabilities and their sums
+    float* row = p + m * ldp;
+    if (mrun[m] == kNoKey) {  // no position counted yet
+      std::fill(row, row + n, 0.f);
+      corr[m] = 1.f;
+      continue;
+    }
+    const vf m_new = splat(mrun[m]);
+    vf total{};
+    for (int t = 0; t < n; t += L) {
+      const vf e = vexp(loadf(row + t) - m_new);
+      total += e;
+      storef(row + t, e);
+    }
+    lsum[m] = lsum[m] * corr[m] + hsum(total);
+  }
+  for (int m = 0; m < M; ++m)
+    if (corr[m] != 1.f)
+      for (int c = 0; c < D; c += L) storef(acc + m * D + c, loadf(acc + m * D + c) * corr[m]);
+}
+
 }  // namespace
 }  // namespace lowbit_kv
