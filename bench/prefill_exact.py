@@ -7,7 +7,7 @@ bf16 rows: whether the C++ kernel is still the faster choice on this CPU.
     python -m bench.prefill_exact --json bench/results/prefill_exact.json
 
 Causal self-attention of a chunk of ``--rows`` rows (SmolLM2's 9 query and 3 KV heads of 64
-channels by default), as :func:`vllm_lowbit_kv.paged.attention.causal_attend_with_lse` calls
+channels by default), as :func:`vllm_lowbit_kv.paged.attention.prefill_exact_attention` calls
 each kernel (torch's with its KV heads repeated for the query heads, its bf16 output widened
 to float32). Per chunk size the kernels alternate for ``--rounds`` rounds of ``--calls``
 calls each; a row gives each kernel's median milliseconds per call and ``x_dense``, the

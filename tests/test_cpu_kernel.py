@@ -622,22 +622,30 @@ def test_dense_attention_strides_empty_rows_and_poisoned_outputs(built):
     assert cpu.dense_attention(q.float(), k.float(), v.float(), 0.1, causal=True) is None
 
 
-def test_prefill_chunks_take_the_dense_kernel(built):
-    """causal_attend_with_lse (the exact part of a prefill chunk) runs the dense kernel for
-    bf16 inputs on the CPU, within its pair tiles' rounding of float32 attention, and
-    torch's attention for float32 ones (the engines' parity runs), within summation order."""
-    from vllm_lowbit_kv.paged.attention import causal_attend_with_lse
+def prefill_exact(q, k, v, ks, vs, scale):
+    """prefill_exact_attention into NaN-poisoned outputs: (out, lse)."""
+    from vllm_lowbit_kv.paged.attention import prefill_exact_attention
 
+    out = torch.full(q.shape, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"))
+    prefill_exact_attention(q, k, v, ks, vs, scale, out, lse)
+    return out, lse
+
+
+def test_prefill_chunks_take_the_dense_kernel(built):
+    """A prefill chunk without exact context (its own tokens causally) runs the dense kernel
+    for bf16 inputs on the CPU, within its pair tiles' rounding of float32 attention, and
+    torch's attention for float32 ones (the engines' parity runs), within summation order."""
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(70, h, 64, generator=g) for h in (9, 3, 3))
     bf = [x.bfloat16() for x in (q, k, v)]
-    got = causal_attend_with_lse(*bf, 0.125)
+    got = prefill_exact(*bf, [], [], 0.125)
     direct = cpu.dense_attention(*bf, 0.125, causal=True)
     assert torch.equal(got[0], direct[0]) and torch.equal(got[1], direct[1])
     want_out, want_lse = dense_reference(*bf, 0.125, 0)
     torch.testing.assert_close(got[0], want_out, **BF16_OUT_TOL)
     torch.testing.assert_close(got[1], want_lse, **BF16_LSE_TOL)
-    out, lse = causal_attend_with_lse(q, k, v, 0.125)
+    out, lse = prefill_exact(q, k, v, [], [], 0.125)
     want_out, want_lse = dense_reference(q, k, v, 0.125, 0)
     torch.testing.assert_close(out, want_out, **DENSE_TOL)
     torch.testing.assert_close(lse, want_lse, **DENSE_TOL)
@@ -654,9 +662,9 @@ def test_prefill_exact_part_in_one_dense_call(built, monkeypatch):
     # sinks and a staged run as the pages and staging hold them: bf16 values, read as float32
     ks = [torch.randn(1, n, 3, 64, generator=g).bfloat16().float() for n in (4, 37)]
     vs = [torch.randn(1, n, 3, 64, generator=g).bfloat16().float() for n in (4, 37)]
-    out, lse = attention.prefill_exact_attention(q, k, v, ks, vs, 0.125)
+    out, lse = prefill_exact(q, k, v, ks, vs, 0.125)
     monkeypatch.setattr(attention, "dense_attention", lambda *args, **kwargs: None)
-    want_out, want_lse = attention.prefill_exact_attention(q, k, v, ks, vs, 0.125)
+    want_out, want_lse = prefill_exact(q, k, v, ks, vs, 0.125)
     torch.testing.assert_close(out, want_out, **BF16_OUT_TOL)
     torch.testing.assert_close(lse, want_lse, **BF16_LSE_TOL)
 

@@ -354,18 +354,22 @@ def dense_runs(query: torch.Tensor) -> bool:
 
 
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                    causal: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+                    causal: bool, out: torch.Tensor | None = None, lse: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Attention of query [n, Hq, D] over key, value [S, H, D], all bfloat16 on the CPU
     (causal: row i sees keys j <= i + S - n), by the C++ kernel
     (``csrc/cpu/dense_attention.cpp``: bf16 products with float32 sums where the CPU has
-    AVX-512 BF16, else float32): out [n, Hq, D] and lse [n, Hq] float32. None where it
-    does not run: other dtypes (:data:`DENSE_DTYPES`) or devices, a head_dim it does not
-    take, or the kernel library not loaded (this never builds it)."""
+    AVX-512 BF16, else float32): out [n, Hq, D] and lse [n, Hq] float32, written into
+    ``out`` and ``lse`` where given (contiguous). None where it does not run: other dtypes
+    (:data:`DENSE_DTYPES`) or devices, a head_dim it does not take, or the kernel library
+    not loaded (this never builds it)."""
     if not dense_runs(query) or not query.dtype == key.dtype == value.dtype:
         return None
     n, Hq, D = query.shape
-    out = query.new_empty(n, Hq, D, dtype=torch.float32)
-    lse = query.new_empty(n, Hq, dtype=torch.float32)
+    if out is None:
+        out = query.new_empty(n, Hq, D, dtype=torch.float32)
+    if lse is None:
+        lse = query.new_empty(n, Hq, dtype=torch.float32)
     torch.ops.lowbit_kv.dense_attention(query, key, value, causal, key.shape[0] - n, float(scale),
                                         out, lse)
     return out, lse

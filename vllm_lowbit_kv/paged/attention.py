@@ -80,19 +80,11 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
             lse.reshape(B, Hq, Q).transpose(1, 2))
 
 
-def causal_attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of Q fresh rows over themselves, and its log-sum-exp: q [Q, Hq, D];
-    k, v [Q, H, D] -> out [Q, Hq, D], lse [Q, Hq] float32. bf16 on the CPU: the C++ dense
-    kernel (:func:`~vllm_lowbit_kv.ops.cpu.dense_attention`); otherwise (float32, as the
-    engines' parity runs use, or no kernel) :func:`torch_causal_attend_with_lse`."""
-    dense = dense_attention(q, k, v, scale, causal=True)
-    return dense if dense is not None else torch_causal_attend_with_lse(q, k, v, scale)
-
-
 def torch_causal_attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`causal_attend_with_lse` by torch: on the CPU its fused kernel (with no mask it
+    """Causal attention of Q fresh rows over themselves, and its log-sum-exp, by torch
+    (q [Q, Hq, D]; k, v [Q, H, D] -> out [Q, Hq, D], lse [Q, Hq] float32): on the CPU its
+    fused kernel (with no mask it
     skips the blocks above the diagonal, half of a prefill chunk's work; bf16 inputs stay
     bf16, float32 otherwise), elsewhere plain float32 products."""
     G = q.shape[1] // k.shape[1]
@@ -147,42 +139,45 @@ def reads_packed_dense(packed_attention, layout: PagedLayout, query: torch.Tenso
 
 def prefill_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float,
-                            packed: PackedGroups | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            out: torch.Tensor, lse: torch.Tensor,
+                            packed: PackedGroups | None = None) -> None:
     """A prefill chunk's exact part: its rows q [Q, Hq, D] over the exact context ``ks``,
     ``vs`` (each [1, E_i, H, D] float32: sinks, staged run) and ``packed`` (its packed
     groups, decoded; only where :func:`reads_packed_dense`) whole and over their own keys
-    k, v [Q, H, D] causally -> out [Q, Hq, D], lse [Q, Hq] float32. With the dense kernel
-    one causal call over [context, own keys] (row i sees the context and its own keys
-    0..i); otherwise the two parts apart, merged."""
-    if (ks or packed is not None) and cpu.dense_runs(q):
-        # the context is stored in the model dtype: back to it without loss
-        E = (packed.tokens if packed is not None else 0) + sum(x.shape[1] for x in ks)
-        keys = k.new_empty(E + k.shape[0], *k.shape[1:])
-        values = v.new_empty(keys.shape)
-        at = 0
-        if packed is not None:
-            packed.decode_into(keys[:packed.tokens], values[:packed.tokens])
-            at = packed.tokens
-        for x, y in zip(ks, vs):
-            keys[at:at + x.shape[1]] = x[0]
-            values[at:at + x.shape[1]] = y[0]
-            at += x.shape[1]
-        keys[at:] = k
-        values[at:] = v
-        dense = dense_attention(q, keys, values, scale, causal=True)
-        if dense is not None:
-            return dense
+    k, v [Q, H, D] causally -> ``out`` [Q, Hq, D], ``lse`` [Q, Hq] (float32, contiguous).
+    With the dense kernel one causal call over [context, own keys] (row i sees the context
+    and its own keys 0..i), straight into ``out`` and ``lse``; otherwise the two parts
+    apart, merged."""
+    if cpu.dense_runs(q):
+        keys, values = k, v
+        if ks or packed is not None:
+            # the context is stored in the model dtype: back to it without loss
+            E = (packed.tokens if packed is not None else 0) + sum(x.shape[1] for x in ks)
+            keys = k.new_empty(E + k.shape[0], *k.shape[1:])
+            values = v.new_empty(keys.shape)
+            at = 0
+            if packed is not None:
+                packed.decode_into(keys[:packed.tokens], values[:packed.tokens])
+                at = packed.tokens
+            for x, y in zip(ks, vs):
+                keys[at:at + x.shape[1]] = x[0]
+                values[at:at + x.shape[1]] = y[0]
+                at += x.shape[1]
+            keys[at:] = k
+            values[at:] = v
+        if dense_attention(q, keys, values, scale, causal=True, out=out, lse=lse) is not None:
+            return
     if packed is not None:
         raise RuntimeError("lowbit-kv: a prefill chunk's packed groups given where the dense "
                            "kernel does not run")
-    o, l = causal_attend_with_lse(q, k, v, scale)
+    o, l = torch_causal_attend_with_lse(q, k, v, scale)
     if ks:
         po, pl = attend_with_lse(q[None], torch.cat(ks, 1), torch.cat(vs, 1),
                                  q.new_zeros(1, 1, q.shape[0], sum(x.shape[1] for x in ks),
                                              dtype=torch.float32), scale)
         o, l = merge_attention(po[0], pl[0], o, l)
-    return o, l
+    out.copy_(o)
+    lse.copy_(l)
 
 
 def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
@@ -213,19 +208,20 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
         if b.tail:
             ks.append(staging.k.read_run(b.tail_slots, b.tail))
             vs.append(staging.v.read_run(b.tail_slots, b.tail))
-        if b.bias is None:  # a prefill chunk
-            rows, r = b.rows[0], b.requests[0]
+        if b.bias is None:  # a prefill chunk: its rows are one range
+            r, first = b.requests[0], int(b.rows[0, 0])
+            rows = slice(first, first + b.rows.shape[1])
             packed = None
             groups, skip = int(rplan.num_groups[r]), int(rplan.skip_tokens[r])
             if packed_dense and groups * layout.T > skip:
                 packed = PackedGroups(pages, layout, rplan.group_table[r, :groups], skip)
-            o, l = prefill_exact_attention(query[rows], key[rows], value[rows], ks, vs, scale,
-                                           packed)
-        else:
-            ks.append(key[b.rows].float())
-            vs.append(value[b.rows].float())
-            o, l = attend_with_lse(query[b.rows], torch.cat(ks, 1), torch.cat(vs, 1),
-                                   b.bias.to(query.device), scale)
+            prefill_exact_attention(query[rows], key[rows], value[rows], ks, vs, scale,
+                                    out[rows], lse[rows], packed)
+            continue
+        ks.append(key[b.rows].float())
+        vs.append(value[b.rows].float())
+        o, l = attend_with_lse(query[b.rows], torch.cat(ks, 1), torch.cat(vs, 1),
+                               b.bias.to(query.device), scale)
         out[b.rows] = o
         lse[b.rows] = l
     return out, lse

@@ -53,7 +53,7 @@ def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query:
                                        query[:n], rplan.q_start_t, pages, rplan.group_table,
                                        num_groups, rplan.skip_tokens, scale)
             res, _ = merge_attention(p_out, p_lse, res, res_lse)
-        out[:n] = res.to(out.dtype)
+        out[:n].copy_(res)
     stage_tokens(wplan, key, value, staging, query)
 
 
