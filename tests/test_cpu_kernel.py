@@ -545,6 +545,33 @@ def test_staging_writes_equal_the_pytorch_ones(staging_dtype, dtype, monkeypatch
     assert (scale is None and want_scale is None) or torch.equal(scale, want_scale)
 
 
+def test_page_state_writes_equal_the_pytorch_ones():
+    """cpu.write_states puts group states where PageFormat.write_states does, bit for bit,
+    nothing else touched: sink bytes, several groups per block, a split layer's part (a
+    strided view of the page bytes); gids outside the pages are refused by name."""
+    from vllm_lowbit_kv.paged.layout import HeadSplitLayout
+
+    g = torch.Generator().manual_seed(8)
+    layout = layout_for("vidkv", None, H=3, T=16, block_size=64, sinks=2)
+    split = HeadSplitLayout([layout_for("kivi4", None, H=1, T=16, block_size=64, sinks=2),
+                             layout_for("vidkv", None, H=2, T=16, block_size=64, sinks=2)],
+                            [(0,), (1, 2)])
+    for part, pages in [(layout, torch.randint(0, 256, layout.page_shape(5), dtype=torch.uint8,
+                                               generator=g))] + \
+            list(zip(split.parts, split.part_pages(torch.randint(
+                0, 256, split.page_shape(5), dtype=torch.uint8, generator=g)))):
+        fmt = part.format
+        gids = torch.randperm(5 * fmt.groups_per_block, generator=g)[:7]
+        states = torch.randint(0, 256, (7, part.H, fmt.state_bytes), dtype=torch.uint8,
+                               generator=g)
+        want = pages.clone()
+        fmt.write_states(want, gids, states)
+        assert cpu.write_states(fmt, pages, gids, states)
+        assert torch.equal(pages, want)
+    with pytest.raises(RuntimeError, match="gids"):
+        cpu.write_states(fmt, pages, torch.tensor([5 * fmt.groups_per_block]), states[:1])
+
+
 # ----------------------------------------------------------------------- dense bf16 prefill
 #: the dense kernel computes in float32 (bf16 inputs widened exactly): only the order of
 #: the sums differs from float32 attention

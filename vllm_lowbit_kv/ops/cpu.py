@@ -71,7 +71,7 @@ DENSE_SOURCE = SOURCE.with_name("dense_attention.cpp")
 ENCODE_SOURCE = SOURCE.with_name("encode_states.cpp")
 #: decode rows' exact part, read where it lives (:func:`exact_decode_attention`)
 EXACT_DECODE_SOURCE = SOURCE.with_name("exact_decode.cpp")
-#: the staging buffers' writes (:func:`stage_rows`)
+#: the copies of a step's writes (:func:`stage_rows`, :func:`write_states`)
 STAGING_SOURCE = SOURCE.with_name("staging.cpp")
 SOURCES = (SOURCE, DENSE_SOURCE, ENCODE_SOURCE, EXACT_DECODE_SOURCE, STAGING_SOURCE)
 #: what the sources include (part of the build folder's hash, as the sources are)
@@ -412,6 +412,19 @@ def stage_rows(x: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, off: tor
         return False
     torch.ops.lowbit_kv.stage_rows(x, _int64(rows), _int64(slot), _int64(off), data,
                                    torch.empty(0, device=x.device) if scale is None else scale)
+    return True
+
+
+def write_states(fmt: PageFormat, pages: torch.Tensor, gids: torch.Tensor,
+                 states: torch.Tensor) -> bool:
+    """``fmt.write_states(pages, gids, states)`` (states [E, H, state_bytes] of the groups
+    ``gids``) by ``csrc/cpu/staging.cpp``: a copy per group and head. True where it ran;
+    False where it does not run (another device, the library not loaded: this never
+    builds it)."""
+    if not _built or pages.device.type != "cpu" or states.device.type != "cpu":
+        return False
+    torch.ops.lowbit_kv.write_states(states.contiguous(), _int64(gids), fmt.groups_per_block,
+                                     fmt.sink_bytes, fmt.flat_pages(pages))
     return True
 
 

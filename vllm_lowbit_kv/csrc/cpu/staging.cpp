@@ -1,8 +1,10 @@
-// The staging buffers' writes (vllm_lowbit_kv/paged/write.py, StagedTokens.store): fresh
-// tokens of groups still incomplete go to their staging slots, in the model dtype or as
-// int8 codes with a float32 scale per (token, KV head). The int8 codes are
-// codecs/quant.py's absmax_int8 bit for bit on finite rows: scale = max |x| / 127 (1 for
-// an all-zero row), code = x / scale rounded to nearest even, clamped to [-127, 127].
+// The copies of a step's writes (vllm_lowbit_kv/paged/write.py). stage_rows
+// (StagedTokens.store): fresh tokens of groups still incomplete go to their staging slots,
+// in the model dtype or as int8 codes with a float32 scale per (token, KV head). The int8
+// codes are codecs/quant.py's absmax_int8 bit for bit on finite rows: scale = max |x| / 127
+// (1 for an all-zero row), code = x / scale rounded to nearest even, clamped to [-127,
+// 127]. write_states (encode_groups): encoded group states into their pages, as
+// PageFormat.write_states puts them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -71,11 +73,45 @@ void stage_rows(const at::Tensor& x, const at::Tensor& tok, const at::Tensor& sl
   });
 }
 
+// states [E, H, C] -> pages [blocks, H, P]: group gids[e] is group gids[e] % N of block
+// gids[e] / N, at byte sink_bytes + (gids[e] % N) C of each head's page bytes. One thread:
+// a few groups a step, where torch's indexed put ran element by element across the pool.
+void write_states(const at::Tensor& states, const at::Tensor& gids, int64_t N,
+                  int64_t sink_bytes, const at::Tensor& pages) {
+  TORCH_CHECK(states.scalar_type() == at::kByte && states.dim() == 3 && states.is_contiguous(),
+              "states: uint8 contiguous [E, H, C]");
+  TORCH_CHECK(pages.scalar_type() == at::kByte && pages.dim() == 3 && pages.stride(2) == 1 &&
+                  pages.size(1) == states.size(1),
+              "pages: uint8 [blocks, H, P] with unit stride in the last dim, H as the states'");
+  const int64_t E = states.size(0), H = states.size(1), C = states.size(2);
+  TORCH_CHECK(N > 0 && sink_bytes >= 0 && sink_bytes + N * C <= pages.size(2),
+              "groups_per_block and sink_bytes: N groups of the states' bytes after the sinks "
+              "within a page");
+  TORCH_CHECK(gids.scalar_type() == at::kLong && gids.is_contiguous() && gids.numel() == E,
+              "gids: int64 contiguous, one per state");
+  const int64_t* g = gids.data_ptr<int64_t>();
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(g[e] >= 0 && g[e] < pages.size(0) * N, "gids[", e, "] = ", g[e],
+                ": outside the pages' ", pages.size(0) * N, " groups");
+  const uint8_t* src = states.data_ptr<uint8_t>();
+  uint8_t* base = pages.data_ptr<uint8_t>();
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t h = 0; h < H; ++h)
+      std::memcpy(base + g[e] / N * pages.stride(0) + h * pages.stride(1) + sink_bytes +
+                      g[e] % N * C,
+                  src + (e * H + h) * C, size_t(C));
+}
+
 TORCH_LIBRARY_FRAGMENT(lowbit_kv, m) {
   m.def("stage_rows(Tensor x, Tensor tok, Tensor slot, Tensor off, Tensor(a!) data, "
         "Tensor(b!) scale) -> ()");
+  m.def("write_states(Tensor states, Tensor gids, int groups_per_block, int sink_bytes, "
+        "Tensor(a!) pages) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(lowbit_kv, CPU, m) { m.impl("stage_rows", &stage_rows); }
+TORCH_LIBRARY_IMPL(lowbit_kv, CPU, m) {
+  m.impl("stage_rows", &stage_rows);
+  m.impl("write_states", &write_states);
+}
 
 }  // namespace lowbit_kv
