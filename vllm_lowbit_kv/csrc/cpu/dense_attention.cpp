@@ -89,19 +89,38 @@ class PairBlocks {
 struct PairBlocks {};  // no pair tiles in this build: never constructed
 #endif
 
+// A thread's buffers, sized for a whole row block and reused by each item it takes (zeroing
+// them per item cost as much as a tenth of a prefill chunk's kernel time)
+template <typename T>
+struct ItemWork {
+  ItemWork(const Args<T>& a, bool pairs)
+      : M(std::min<int64_t>(RB, a.n) * (a.Hq / a.H)),
+        products(std::is_same_v<T, uint16_t>, M, a.D, KB),
+        tiles({M * a.D, M * a.D, M * KB, pairs ? 0 : a.D * KB, pairs ? 0 : KB * a.D}),
+        mrun(M), lsum(M), corr(M), limit(M), hi(M) {}
+  int64_t M;  // query vectors at most
+  TileProducts products;
+  TilePool tiles;  // q, o, p (scores, then probabilities), and without pairs K^T and V
+  std::vector<float> mrun, lsum, corr;
+  std::vector<int64_t> limit;  // query vector m sees keys [0, limit[m])
+  std::vector<int> hi;         // ... of the block: [0, hi[m])
+};
+
 // rows [i0, i1) of KV head h; keys and values from `pairs` where given (bf16 pair tiles),
 // else laid out per block from the rows
 template <typename T>
-void run_item(const Args<T>& a, const PairBlocks* pairs, int64_t h, int64_t i0, int64_t i1) {
+void run_item(const Args<T>& a, const PairBlocks* pairs, ItemWork<T>& w, int64_t h, int64_t i0,
+              int64_t i1) {
   const int64_t G = a.Hq / a.H, D = a.D, M = (i1 - i0) * G;
-  TileProducts products(std::is_same_v<T, uint16_t>, M, D, KB);
+  TileProducts& products = w.products;
   const float q_scale = products.bf16() ? 1.f : a.scale;
   const float score_scale = products.bf16() ? a.scale : 1.f;
-  const TilePool tiles({M * D, M * D, M * KB, pairs ? 0 : D * KB, pairs ? 0 : KB * D});
-  float *q = tiles[0], *o = tiles[1], *p = tiles[2], *kt = tiles[3], *vt = tiles[4];
-  std::vector<float> mrun(M, kNegInf), lsum(M, 0.f), corr(M);
-  std::vector<int64_t> limit(M);  // query vector m sees keys [0, limit[m])
-  std::vector<int> hi(M);         // ... of the block: [0, hi[m])
+  float *q = w.tiles[0], *o = w.tiles[1], *p = w.tiles[2], *kt = w.tiles[3], *vt = w.tiles[4];
+  std::vector<float> &mrun = w.mrun, &lsum = w.lsum;
+  std::vector<int64_t>& limit = w.limit;
+  std::fill_n(mrun.begin(), M, kNegInf);
+  std::fill_n(lsum.begin(), M, 0.f);
+  std::fill_n(o, M * D, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = i0 + m / G, hq = h * G + m % G;
     const T* src = a.q + i * a.qs0 + hq * a.qs1;
@@ -109,7 +128,7 @@ void run_item(const Args<T>& a, const PairBlocks* pairs, int64_t h, int64_t i0, 
     limit[m] = a.causal ? std::clamp<int64_t>(i + a.offset + 1, 0, a.S) : a.S;
   }
   products.queries(q, int(M));
-  const int64_t jmax = *std::max_element(limit.begin(), limit.end());
+  const int64_t jmax = *std::max_element(limit.begin(), limit.begin() + M);
   for (int64_t j0 = 0; j0 < jmax; j0 += KB) {
     const int nt = int(std::min<int64_t>(KB, jmax - j0)), ntp = round_up(nt);
 #if defined(__AVX512BF16__)
@@ -126,9 +145,9 @@ void run_item(const Args<T>& a, const PairBlocks* pairs, int64_t h, int64_t i0, 
       }
       products.scores(kt, KB, ntp, p, KB);
     }
-    for (int64_t m = 0; m < M; ++m) hi[m] = int(std::clamp<int64_t>(limit[m] - j0, 0, nt));
-    softmax_rows(p, int(M), KB, ntp, hi.data(), score_scale, mrun.data(), lsum.data(), o, int(D),
-                 corr.data());  // online softmax, probabilities in place
+    for (int64_t m = 0; m < M; ++m) w.hi[m] = int(std::clamp<int64_t>(limit[m] - j0, 0, nt));
+    softmax_rows(p, int(M), KB, ntp, w.hi.data(), score_scale, mrun.data(), lsum.data(), o,
+                 int(D), w.corr.data());  // online softmax, probabilities in place
 #if defined(__AVX512BF16__)
     if (pairs) products.pair_values(p, KB, pairs->values(h, j0 / KB), nt, o);
 #endif
@@ -157,9 +176,10 @@ void run(const Args<T>& a) {
   const int64_t row_blocks = (a.n + RB - 1) / RB, items = a.H * row_blocks;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
+    ItemWork<T> work(a, pairs.has_value());
     for (int64_t k = next++; k < items; k = next++) {
       const int64_t h = k % a.H, i0 = (row_blocks - 1 - k / a.H) * RB;
-      run_item(a, pairs ? &*pairs : nullptr, h, i0, std::min(a.n, i0 + RB));
+      run_item(a, pairs ? &*pairs : nullptr, work, h, i0, std::min(a.n, i0 + RB));
     }
   });
 }
