@@ -80,6 +80,26 @@ def test_encoder_matches_the_codecs(scheme, params, dtype):
         assert (a - b).norm() / b.norm() < 1e-3
 
 
+@pytest.mark.parametrize("scheme,params", FORMATS[:5] + [(s, None) for s in RVQ_SCHEMES[1:2]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_encoder_reads_model_rows_as_they_are(scheme, params, dtype, rvq_codebook_file):
+    """bf16 / fp16 groups given as a strided view of a step's rows (a prefill chunk's
+    fresh K/V inside its QKV output, paged/write.py) encode to the very bytes of their
+    float32 copy."""
+    if params is None:
+        params = {"codebook": str(rvq_codebook_file(scheme))}
+    T, H, D, E = 32, 3, 64, 4
+    layout = layout_for(scheme, params, H, T, 64)
+    g = torch.Generator().manual_seed(11)
+    qkv = (torch.randn(E * T, H + 2 * H, D, generator=g) * 2).to(dtype)  # q, then k and v
+    k = qkv[:, H:2 * H].unflatten(0, (E, T))
+    v = qkv[:, 2 * H:].unflatten(0, (E, T))
+    assert not k.is_contiguous()
+    got = cpu.encode_states(layout.format, k, v)
+    assert torch.equal(got, cpu.encode_states(layout.format, k.float().contiguous(),
+                                              v.float().contiguous()))
+
+
 @settings(max_examples=25, deadline=None)
 @given(scheme=st.sampled_from([f for f in FORMATS]), T=st.sampled_from([8, 16, 48, 128]),
        H=st.integers(1, 4), D=st.sampled_from([16, 32, 64, 128]), E=st.integers(1, 5),

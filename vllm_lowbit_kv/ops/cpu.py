@@ -445,7 +445,8 @@ def encode_reason(fmt: PageFormat) -> str | None:
 
 
 def encode_states(fmt: PageFormat, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """K, V [E, T, H, D] (codec space) -> states [E, H, state_bytes], what
+    """K, V [E, T, H, D] (codec space; float32, bf16 or fp16, read as they are: a step's
+    rows need no copy) -> states [E, H, state_bytes], what
     ``fmt.encode(k, v)`` returns, by ``csrc/cpu/encode_states.cpp``: the codecs' arithmetic
     in one pass per group (bit-identical except codes within float32 rounding of a
     threshold and fp16 levels within one step, where the codecs' sums over tokens or their
@@ -457,8 +458,9 @@ def encode_states(fmt: PageFormat, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     distances tie within float32 rounding."""
     if not _built or k.device.type != "cpu" or encode_reason(fmt):
         return None
-    k = k.float().contiguous()
-    v = v.float().contiguous()
+    if not (k.dtype == v.dtype and k.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and k.stride(-1) == v.stride(-1) == 1):
+        k, v = k.float().contiguous(), v.float().contiguous()
     desc = _descriptor_cache.get(fmt)
     if desc is None:
         desc = _descriptor_cache[fmt] = _descriptors(fmt)

@@ -132,11 +132,12 @@ class PagedLayout(PageBits):
                cpp: bool = False) -> torch.Tensor:
         """K, V [G, T, H, D] (+ relevance [G, T, H]) -> uint8 states [G, H, C] (rotated
         first when the layout has a rotation). ``cpp``: by the C++ encoder
-        (:func:`vllm_lowbit_kv.ops.cpu.encode_states`) where it runs, else the codecs."""
+        (:func:`vllm_lowbit_kv.ops.cpu.encode_states`, which reads bf16 and fp16 rows as
+        they are) where it runs, else the codecs (in float32)."""
         if self.rotation is not None:
-            k, v = self.rotation.rotate(k), self.rotation.rotate(v)
+            k, v = self.rotation.rotate(k.float()), self.rotation.rotate(v.float())
         states = encode_states(self.format, k, v) if cpp else None
-        return self.format.encode(k, v, relevance) if states is None else states
+        return self.format.encode(k.float(), v.float(), relevance) if states is None else states
 
     def decode(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 states [G, H, C] -> K, V [G, T, H, D] float32 in the model's space."""

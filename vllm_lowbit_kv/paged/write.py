@@ -152,14 +152,14 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
 
 def _completed_groups(plan: WritePlan, T: int, x: torch.Tensor, staged: StagedTokens
                       ) -> torch.Tensor:
-    """The completed groups' tokens of one of K, V: float32 [E, T, H, D], a new tensor
-    (their sink rows get masked in place): the earlier tokens from their staging slots,
-    the fresh ones from ``x`` [tokens, H, D]."""
+    """The completed groups' tokens of one of K, V [E, T, H, D], never ``x``'s memory where
+    a sink row gets masked (in place): the earlier tokens from their staging slots, the
+    fresh ones from ``x`` [tokens, H, D], in float32; a prefill chunk's groups (fresh rows
+    back to back) as a view of ``x``, in its dtype (a copy where they hold sinks)."""
     E, (H, D) = plan.enc_gids.numel(), x.shape[1:]
-    if plan.enc_run >= 0:  # a prefill chunk's groups: one slice of the fresh rows
-        groups = torch.empty(E, T, H, D, dtype=torch.float32, device=x.device)
-        groups.view(E * T, H, D).copy_(x[plan.enc_run:plan.enc_run + E * T])
-        return groups
+    if plan.enc_run >= 0:
+        groups = x[plan.enc_run:plan.enc_run + E * T].unflatten(0, (E, T))
+        return groups.clone() if bool((plan.enc_sink > 0).any()) else groups
     groups = torch.zeros(E, T, H, D, dtype=torch.float32, device=x.device)
     has = plan.enc_src_slot >= 0
     if bool(has.any()):

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "descriptors.h"
+#include "dtypes.h"
 #include "vectors.h"
 
 #if defined(__AVX512BF16__)
@@ -632,23 +633,22 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
   put_halves(out + desc[RV_STD], s.lo.data(), T);
 }
 
-// copy group rows [T, D] (row stride ld) into x; false when an element is NaN, Inf or
-// above the fp16 range (base.require_fp16_range)
-bool load_group(const float* src, int T, int D, int64_t ld, std::vector<float>& x) {
+// copy group rows [T, D] of dtype `type` (row stride ld bytes) into x as floats; false when
+// an element is NaN, Inf or above the fp16 range (base.require_fp16_range)
+bool load_group(const uint8_t* src, at::ScalarType type, int T, int D, int64_t ld,
+                std::vector<float>& x) {
   x.resize(static_cast<size_t>(T) * D);
+  for (int t = 0; t < T; ++t) widen(type, src + t * ld, D, 1.f, x.data() + t * D);
   bool ok = true;
-  for (int t = 0; t < T; ++t)
-    for (int c = 0; c < D; ++c) {
-      const float v = src[t * ld + c];
-      ok &= std::fabs(v) <= kFp16Max;  // false for NaN
-      x[t * D + c] = v;
-    }
+  for (const float v : x) ok &= std::fabs(v) <= kFp16Max;  // false for NaN
   return ok;
 }
 
 }  // namespace
 
-// K, V [E, T, H, D] float32 -> states [E, H, state_bytes] (zeroed first: padding stays 0).
+// K, V [E, T, H, D] (float32, bfloat16 or float16, any strides with unit stride in the
+// last dim: a step's fresh rows as they are) -> states [E, H, state_bytes] (zeroed first:
+// padding stays 0).
 // codebooks: the layer's RVQ codebooks, keys' then values' (empty without RVQ); search,
 // search_pairs: their tables for the search (RvqBooks).
 // Returns false, with the states unspecified, when an element is NaN, Inf or above 65504.
@@ -662,9 +662,12 @@ bool encode_states(const at::Tensor& key, const at::Tensor& value,
   const int64_t T = geometry[G_T], D = geometry[G_D], H = geometry[G_H];
   const int64_t state_bytes = geometry[G_STATE_BYTES], k_bytes = geometry[G_K_BYTES];
   for (const at::Tensor* x : {&key, &value})
-    TORCH_CHECK(x->scalar_type() == at::kFloat && x->is_contiguous() && x->dim() == 4 &&
-                    x->size(1) == T && x->size(2) == H && x->size(3) == D,
-                "key, value: float32 contiguous [E, T, H, D] with the format's T, H, D");
+    TORCH_CHECK((x->scalar_type() == at::kFloat || x->scalar_type() == at::kBFloat16 ||
+                 x->scalar_type() == at::kHalf) &&
+                    x->dim() == 4 && x->stride(3) == 1 && x->size(1) == T && x->size(2) == H &&
+                    x->size(3) == D,
+                "key, value: float32, bfloat16 or float16 [E, T, H, D] with the format's T, H, "
+                "D, unit stride in the last dim");
   const int64_t E = key.size(0);
   TORCH_CHECK(value.size(0) == E, "key and value: the same groups");
   TORCH_CHECK(states.scalar_type() == at::kByte && states.is_contiguous() && states.dim() == 3 &&
@@ -705,8 +708,11 @@ bool encode_states(const at::Tensor& key, const at::Tensor& value,
   if (kkind == KEY_RVQ) key_books.take(key_desc, books, tables, pairs);
   if (vkind == VAL_RVQ) value_books.take(value_desc, books, tables, pairs);
   const float* F = fft ? fft_forward.data_ptr<float>() : nullptr;
-  const float* K = key.data_ptr<float>();
-  const float* V = value.data_ptr<float>();
+  // group e, head h: its token 0 at byte (e stride(0) + h stride(2)) elt, rows stride(1) elt
+  const auto byte_at = [](const at::Tensor& x, int64_t e, int64_t h) {
+    return static_cast<const uint8_t*>(x.data_ptr()) +
+           (e * x.stride(0) + h * x.stride(2)) * int64_t(x.element_size());
+  };
   uint8_t* S = states.data_ptr<uint8_t>();
   states.zero_();
   std::atomic<bool> in_range{true};
@@ -715,9 +721,10 @@ bool encode_states(const at::Tensor& key, const at::Tensor& value,
     std::vector<float> x;
     const int tokens = static_cast<int>(T), dim = static_cast<int>(D);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t at = (i / H * T * H + i % H) * D;  // token 0 of head i % H, group i / H
+      const int64_t e = i / H, h = i % H;
       uint8_t* out = S + i * state_bytes;
-      bool ok = load_group(K + at, tokens, dim, H * D, x);
+      bool ok = load_group(byte_at(key, e, h), key.scalar_type(), tokens, dim,
+                           key.stride(1) * int64_t(key.element_size()), x);
       if (kkind == KEY_VIDKV)
         vidkv_key(x.data(), tokens, dim, key_desc.data(), static_cast<int>(one_bit_mode), F, out,
                   s);
@@ -725,7 +732,8 @@ bool encode_states(const at::Tensor& key, const at::Tensor& value,
         rvq(x.data(), tokens, dim, key_desc.data(), key_books, out, s);
       else
         kivi_channels(x.data(), tokens, dim, key_desc.data(), out, s);
-      ok &= load_group(V + at, tokens, dim, H * D, x);
+      ok &= load_group(byte_at(value, e, h), value.scalar_type(), tokens, dim,
+                       value.stride(1) * int64_t(value.element_size()), x);
       uint8_t* vout = out + k_bytes;
       if (vkind == VAL_KIVI_TOKEN)
         kivi_tokens(x.data(), tokens, dim, value_desc.data(), vout, s);
