@@ -483,7 +483,7 @@ def store(k: torch.Tensor, v: torch.Tensor, gids: torch.Tensor, pages: torch.Ten
     states = encode_states(fmt, k, v)
     if states is None:
         reference.store(k, v, gids, pages, page, relevance)
-    else:
+    elif not write_states(fmt, pages, gids, states):
         fmt.write_states(pages, gids, states)
 
 

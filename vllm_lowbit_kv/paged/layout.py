@@ -7,7 +7,7 @@ import torch
 
 from ..codecs.base import BlockCodec, require
 from ..codecs.vidkv import require_protect_first
-from ..ops.cpu import encode_states
+from ..ops.cpu import encode_states, write_states
 from ..ops.page_format import PageFormat
 from ..rotation import HadamardRotation
 
@@ -152,7 +152,10 @@ class PagedLayout(PageBits):
         return self.format.read_states(pages, gids)
 
     def write_states(self, pages: torch.Tensor, gids: torch.Tensor, states: torch.Tensor) -> None:
-        self.format.write_states(pages, gids, states)
+        """states [G, H, C] -> the pages of groups gids [G]: by the C++ copy
+        (:func:`vllm_lowbit_kv.ops.cpu.write_states`) where it runs, else the format's."""
+        if not write_states(self.format, pages, gids, states):
+            self.format.write_states(pages, gids, states)
 
     def _sinks(self, pages: torch.Tensor) -> torch.Tensor:
         """``[B, 2, s, H, D * elt]`` byte view of the sink areas (K then V)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs.quant import absmax_int8, require_staging_dtype
-from ..ops.cpu import stage_rows, write_states
+from ..ops.cpu import stage_rows
 from .layout import SINK_RELEVANCE, PagedLayout, mask_sink_rows, rank_protected
 from .plan import WritePlan
 
@@ -145,9 +145,7 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
         relevance = None if relevance is None else relevance[rows]
         sinks, gids = sinks[rows.to(sinks.device)], gids[rows.to(gids.device)]
     relevance = _mask_sinks(tk, tv, relevance, sinks)
-    states = layout.encode(tk, tv, relevance, cpp)
-    if not write_states(layout.format, pages, gids, states):
-        layout.write_states(pages, gids, states)
+    layout.write_states(pages, gids, layout.encode(tk, tv, relevance, cpp))
 
 
 def _completed_groups(plan: WritePlan, T: int, x: torch.Tensor, staged: StagedTokens
