@@ -131,6 +131,19 @@ def test_rvq_encoder_matches_the_codecs(scheme, dtype, rvq_codebook_file):
         assert (a - b).norm() / b.norm() < 1e-3
 
 
+@pytest.mark.parametrize("group_size,T", [(16, 32), (64, 8), (64, 24), (32, 4)])
+def test_rvq_encoder_matches_the_codecs_for_each_search_path(group_size, T, rvq_codebook_file):
+    """The search's first pass by vdpbf16ps (group 16, and every group where the CPU has
+    AVX-512 BF16 but no AMX) or by AMX tile multiplies of 16 rows (groups of 32 and 64,
+    one and two tiles of channels), including a last block of fewer rows (T x D / group
+    rows: 8, 24, 8)."""
+    path = rvq_codebook_file("rvq4x256", group_size=group_size)
+    layout = layout_for("rvq4x256", {"codebook": str(path), "group_size": group_size}, 3, T,
+                        2 * T, sinks=2)
+    k, v = kv(3, T, 3, 64, torch.float32, seed=group_size + T)
+    check_store(layout, k, v)
+
+
 @settings(max_examples=15, deadline=None)
 @given(scheme=st.sampled_from(RVQ_SCHEMES), T=st.sampled_from([8, 16, 64]), H=st.integers(1, 3),
        E=st.integers(1, 4), scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**16))

@@ -75,8 +75,8 @@ EXACT_DECODE_SOURCE = SOURCE.with_name("exact_decode.cpp")
 STAGING_SOURCE = SOURCE.with_name("staging.cpp")
 SOURCES = (SOURCE, DENSE_SOURCE, ENCODE_SOURCE, EXACT_DECODE_SOURCE, STAGING_SOURCE)
 #: what the sources include (part of the build folder's hash, as the sources are)
-HEADERS = (SOURCE.with_name("vectors.h"), SOURCE.with_name("micro_gemm.h"),
-           SOURCE.with_name("descriptors.h"), SOURCE.with_name("dtypes.h"))
+HEADERS = tuple(SOURCE.with_name(h) for h in ("vectors.h", "micro_gemm.h", "amx.h", "descriptors.h",
+                                              "dtypes.h"))
 #: target ISA: the build machine's own unless LOWBIT_KV_CPU_MARCH names another (the
 #: tests build AVX2-only and AVX-512-without-VBMI variants this way to run the other paths)
 MARCH = os.environ.get("LOWBIT_KV_CPU_MARCH", "native")

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "descriptors.h"
+#include "amx.h"
 #include "dtypes.h"
 #include "vectors.h"
 
@@ -328,6 +329,7 @@ constexpr int kCodeVectors = 8;  // 128 codes' distances in registers per pass o
 // AVX2's 16 registers, 2 rows x 4 distances, their best and code, a code and 2 broadcasts
 constexpr int kSearchVectors = L == 16 ? kCodeVectors : 4;
 constexpr int kSearchRows = 2;   // residual rows searched together (sharing code loads)
+constexpr int kTileRows = 16;    // the same with AMX: one tile of rows
 constexpr int kMaxPairGroup = 128;  // widest channel group of the bf16 pass
 constexpr int kMaxCodes = 1 << 16;  // codes per codebook (indices of at most 16 bits)
 
@@ -344,6 +346,14 @@ struct RvqBooks {
   const float *spread = nullptr, *twice_rounding = nullptr, *largest = nullptr;
   const uint32_t* pairs = nullptr;
   static bool has_pairs(int64_t d) { return d % kLanes == 0 && d <= kMaxPairGroup; }
+  // whether the search's first pass runs as AMX tile multiplies (amx_distances)
+  bool amx_search() const {
+#if defined(LOWBIT_AMX)
+    return pairs && d % 32 == 0 && C % 32 == 0 && amx_granted();
+#else
+    return false;
+#endif
+  }
   static int64_t search_floats(const std::vector<int64_t>& desc) {
     return desc[RV_K] * desc[RV_C] * (desc[RV_GROUP] + 3) + 2 * desc[RV_K];
   }
@@ -434,11 +444,10 @@ void nearest_codes(const float* const* r, const RvqBooks& b, int k, int32_t* out
 
 #if defined(__AVX512BF16__)
 // approx[i * C + c] = ||c||^2 - 2 r_i.c in bf16 products (float32 sums) of NV * 16 codes
-// from c0, and lo[i] = the lanewise minimum of lo[i] and those distances; w: bf16 pairs
-// of -2 r_i, [R][d / 2] (the bf16 values in channel order)
+// from c0; w: bf16 pairs of -2 r_i, [R][d / 2] (the bf16 values in channel order)
 template <int R, int NV>
 inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
-                             const float* norms, int C, int c0, float* approx, __m512* lo) {
+                             const float* norms, int C, int c0, float* approx) {
   __m512 acc[R][NV];
   for (int v = 0; v < NV; ++v) {
     const __m512 n = _mm512_loadu_ps(norms + c0 + v * kLanes);
@@ -455,11 +464,43 @@ inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int v = 0; v < NV; ++v) {
-      _mm512_storeu_ps(approx + i * C + c0 + v * kLanes, acc[i][v]);
-      lo[i] = _mm512_min_ps(lo[i], acc[i][v]);
-    }
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(approx + i * C + c0 + v * kLanes, acc[i][v]);
 }
+
+#if defined(LOWBIT_AMX)
+// approx_distances of all C codes (a multiple of 32) for 16 rows as AMX tile multiplies
+// (TDPBF16PS: the same exact bf16 products and float32 sums, from the norms on): w [16][half]
+// words, half a multiple of 16 up to kMaxPairGroup / 2 (one A tile per 32 channels)
+inline void amx_distances(const uint32_t* w, int half, const uint32_t* pairs,
+                          const float* norms, int C, float* approx) {
+  load_tile_config();
+  const int a_tiles = half / 16;  // tiles 4.. hold w, 0-1 the sums, 2-3 the codes
+  switch (a_tiles) {  // tile numbers are immediates
+    case 4: _tile_loadd(7, w + 48, half * 4); [[fallthrough]];
+    case 3: _tile_loadd(6, w + 32, half * 4); [[fallthrough]];
+    case 2: _tile_loadd(5, w + 16, half * 4); [[fallthrough]];
+    default: _tile_loadd(4, w, half * 4);
+  }
+  const auto multiply = [&](int a, int c0) {
+    const uint32_t* b = pairs + static_cast<size_t>(a) * 16 * C + c0;
+    _tile_loadd(2, b, C * 4);
+    _tile_loadd(3, b + 16, C * 4);
+    switch (a) {
+      case 0: _tile_dpbf16ps(0, 4, 2); _tile_dpbf16ps(1, 4, 3); break;
+      case 1: _tile_dpbf16ps(0, 5, 2); _tile_dpbf16ps(1, 5, 3); break;
+      case 2: _tile_dpbf16ps(0, 6, 2); _tile_dpbf16ps(1, 6, 3); break;
+      default: _tile_dpbf16ps(0, 7, 2); _tile_dpbf16ps(1, 7, 3);
+    }
+  };
+  for (int c0 = 0; c0 < C; c0 += 32) {
+    _tile_loadd(0, norms + c0, 0);  // stride 0: every row starts from the codes' norms
+    _tile_loadd(1, norms + c0 + 16, 0);
+    for (int a = 0; a < a_tiles; ++a) multiply(a, c0);
+    _tile_stored(0, approx + c0, C * 4);
+    _tile_stored(1, approx + c0 + 16, C * 4);
+  }
+}
+#endif
 
 // nearest_codes in two passes: every distance in bf16 products (vdpbf16ps, twice
 // float32's multiply-add rate), then in float32 only the codes the pass cannot tell from
@@ -472,10 +513,11 @@ inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
 // 2^-126 |c_j|). The nearest code c* has approx(c*) - bound(c*) <= its distance <= every
 // code's distance <= min approx + max bound, so the candidates are the codes with
 // approx(c) - bound(c) <= min approx + max bound (about 1.2 per row on SmolLM2's K and
-// V; the codes' own bounds, not the largest, make most rows single). The minimum comes
-// from the registers of the pass; the candidates are the set bits of the compare masks,
-// read 64 codes at a time; a single candidate is the answer without its float32 distance.
-// approx: scratch of R * C floats. d a multiple of 16, at most kMaxPairGroup.
+// V; the codes' own bounds, not the largest, make most rows single). The candidates are
+// the set bits of the compare masks, read 64 codes at a time; a single candidate is the
+// answer without its float32 distance. R = kTileRows rows run the pass as AMX tile
+// multiplies (amx_search), other R as vdpbf16ps. approx: scratch of R * C floats. d a
+// multiple of 16, at most kMaxPairGroup.
 template <int R>
 void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t* out,
                         float* approx) {
@@ -505,15 +547,22 @@ void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t
     w_error[i] = std::sqrt(_mm512_reduce_add_ps(ee)) * kSlack;
     sums[i] = (1.6e-5f * r_norm[i] + 1e-5f * spread_max) * spread_max + 1e-30f;
   }
-  __m512 lo[R];
-  for (int i = 0; i < R; ++i) lo[i] = _mm512_set1_ps(std::numeric_limits<float>::infinity());
-  int c0 = 0;
-  for (; c0 + kCodeVectors * kLanes <= C; c0 += kCodeVectors * kLanes)
-    approx_distances<R, kCodeVectors>(w, half, pairs, norms, C, c0, approx, lo);
-  for (; c0 < C; c0 += kLanes) approx_distances<R, 1>(w, half, pairs, norms, C, c0, approx, lo);
+#if defined(LOWBIT_AMX)
+  if constexpr (R == kTileRows) {
+    amx_distances(w, half, pairs, norms, C, approx);
+  } else
+#endif
+  {
+    int c0 = 0;
+    for (; c0 + kCodeVectors * kLanes <= C; c0 += kCodeVectors * kLanes)
+      approx_distances<R, kCodeVectors>(w, half, pairs, norms, C, c0, approx);
+    for (; c0 < C; c0 += kLanes) approx_distances<R, 1>(w, half, pairs, norms, C, c0, approx);
+  }
   for (int i = 0; i < R; ++i) {
     const float* a = approx + i * C;
-    const __m512 limit = _mm512_set1_ps(_mm512_reduce_min_ps(lo[i]) + w_error[i] * spread_max +
+    __m512 lo = _mm512_loadu_ps(a);
+    for (int c0 = kLanes; c0 < C; c0 += kLanes) lo = _mm512_min_ps(lo, _mm512_loadu_ps(a + c0));
+    const __m512 limit = _mm512_set1_ps(_mm512_reduce_min_ps(lo) + w_error[i] * spread_max +
                                         r_norm[i] * twice_rounding_max + sums[i]);
     const __m512 we = _mm512_set1_ps(w_error[i]), rn = _mm512_set1_ps(r_norm[i]);
     const __m512 s = _mm512_set1_ps(sums[i]);
@@ -595,7 +644,7 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
   s.y.resize(static_cast<size_t>(rows) * d);  // residuals, row t * n + g
   s.lo.resize(T);                              // fp16 stds
   s.indices.resize(static_cast<size_t>(rows) * K);
-  s.work.resize(static_cast<size_t>(kSearchRows) * b.C);  // the bf16 pass's distances
+  s.work.resize(static_cast<size_t>(kTileRows) * b.C);  // the bf16 pass's distances
   for (int t = 0; t < T; ++t) {
     const float* row = x + static_cast<size_t>(t) * D;
     s.lo[t] = to_half(static_cast<float>(population_std(row, D)));
@@ -605,12 +654,19 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
       for (int j = 0; j < d; ++j) z[g * d + j] = row[strided ? j * n + g : g * d + j] / scale;
   }
   int32_t* idx = s.indices.data();
+  const bool tiles = b.amx_search();
+  const int step = tiles ? kTileRows : kSearchRows;
   for (int k = 0; k < K; ++k) {
-    for (int i = 0; i < rows; i += kSearchRows) {
-      const int m = std::min(kSearchRows, rows - i);
-      const float* r[kSearchRows];  // a last odd row is searched twice, its result kept once
-      for (int a = 0; a < kSearchRows; ++a) r[a] = s.y.data() + static_cast<size_t>(i + a % m) * d;
-      int32_t found[kSearchRows];
+    for (int i = 0; i < rows; i += step) {
+      const int m = std::min(step, rows - i);
+      const float* r[kTileRows];  // the last rows repeat the first of a short block, kept once
+      for (int a = 0; a < step; ++a) r[a] = s.y.data() + static_cast<size_t>(i + a % m) * d;
+      int32_t found[kTileRows];
+#if defined(LOWBIT_AMX)
+      if (tiles)
+        nearest_codes_bf16<kTileRows>(r, b, k, found, s.work.data());
+      else
+#endif
 #if defined(__AVX512BF16__)
       if (b.pairs)
         nearest_codes_bf16<kSearchRows>(r, b, k, found, s.work.data());

@@ -22,15 +22,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "vectors.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-#endif
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define LOWBIT_AMX 1
 #endif
 
 namespace lowbit_kv {
@@ -257,30 +253,7 @@ inline void value_pairs_bf16(Row value, int n, int64_t D, uint32_t* vp) {
 // tiles' products run as tile multiplies (TDPBF16PS: exact bf16 products, float32 sums, as
 // VDPBF16PS, 16 rows at once). The pair layouts above are AMX's B operand as they stand
 // (16 rows of 16 words: pairs of channels per token, pairs of tokens per channel), the bf16
-// query and probability rows its A operand.
-inline bool amx_granted() {
-  static const bool granted = [] {
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return granted;
-}
-
-// Every tile register 16 rows of 64 bytes. Loaded before each product: the configuration is
-// the thread's, and oneDNN's AMX kernels on the same thread load their own.
-inline void load_tile_config() {
-  struct alignas(64) Config {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  };
-  static const Config config = [] {
-    Config c;
-    for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
-    return c;
-  }();
-  _tile_loadconfig(&config);
-}
+// query and probability rows its A operand (amx.h: the grant and the tile configuration).
 
 // tile_scores<Bf16PairTiles> for M16 rows (a multiple of 16), n keys (a multiple of 32), D
 // channels (a multiple of 32)
