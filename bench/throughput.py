@@ -3,6 +3,7 @@
     python -m bench.throughput             # bfloat16, fp8, vidkv, kivi2, quantile1 (long: hours on 2 cores)
     python -m bench.throughput --quick     # bfloat16 and vidkv, a small workload (development)
     python -m bench.throughput --dtypes vidkv --rates 0.05,inf --requests 12
+    python -m bench.throughput --dtypes vidkv,rvq8x256 --rates none --prefill-rounds 3
 
 One server at a time (``python -m serving --kv-cache-dtype X --enforce-eager
 --no-enable-prefix-caching``, :func:`bench.server.measurement_server`), each with
@@ -34,6 +35,13 @@ the highest output tokens/s ratio that dtype could reach against bfloat16 even
 if its decode cost nothing (``output_ceiling_x_bf16``); bfloat16's own ceiling
 is what any format that prefills as fast as bfloat16 could reach. On a CPU,
 where prefill is compute-bound, this ceiling is what limits the output ratio.
+A shared machine's speed drifts by more than the differences between formats
+over the minutes between two servers, so ``--prefill-rounds N`` measures the
+prefill floor N times with the servers in turn (round 1 right after each
+dtype's rates, then every server started again per round):
+``prefill_only.seconds`` is then the median of ``rounds`` and
+``prefill_x_bf16`` the median of each round's ratio to bfloat16's in the same
+round. ``--rates none`` measures only the prefill floor.
 JSON (with the command) to ``--json``, a plot to ``--png``.
 """
 
@@ -45,6 +53,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import threading
 import time
@@ -77,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=12, help="requests per rate")
     p.add_argument("--prompt-tokens", default="1024,4096", help="min,max prompt length (tokens)")
     p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--rates", default="0.05,inf", help="requests/s, comma-separated; inf = all at once")
+    p.add_argument("--rates", default="0.05,inf",
+                   help="requests/s, comma-separated; inf = all at once; none: the prefill floor only")
+    p.add_argument("--prefill-rounds", type=int, default=1,
+                   help="prefill-only rounds, the servers in turn (module doc: prefill floor)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="default: --requests (no more run at once; a packed scheme's staging, "
                         "sized for this many sequences, is paid from the KV budget)")
@@ -211,6 +223,25 @@ def run_rate(server: Server, prompts: list[list[int]], output_tokens: int, rate:
     )
 
 
+def prefill_round(rows: list[dict], args, prompts, log=print) -> None:
+    """One more prefill-only measurement of every dtype that served, its server started
+    again, the dtypes in turn; a round that fails (a refused restart, an error) is kept as
+    None."""
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        server, seconds = dtype_server(row["dtype"], args), None
+        try:
+            server.start()
+            (seconds,) = prefill_floor(server, prompts, args.seed)["rounds"]
+        except ServerRefused as e:
+            log(f"{row['dtype']}: prefill round not measured: {e.reason}")
+        finally:
+            server.stop()
+        row["prefill_only"]["rounds"].append(seconds)
+        log(f"{row['dtype']} prefill only, round {len(row['prefill_only']['rounds'])}: {seconds} s")
+
+
 # --------------------------------------------------------------------------- all dtypes
 RATIO_KEYS = ("output_tokens_per_s", "peak_running", "mean_running", "requests_per_min")
 PCT_RATIO_KEYS = ("ttft_s", "tpot_s", "e2e_s")
@@ -224,11 +255,19 @@ def add_ratios(rows: list[dict]) -> None:
     ref_cap = next((r["capacity_tokens"] for r in rows if r["dtype"] == REFERENCE and r["status"] == "ok"),
                    None)
     ref_all_at_once = ref.get("inf", {}).get("seconds")
+    ref_rounds = next((r["prefill_only"].get("rounds") for r in rows
+                       if r["dtype"] == REFERENCE and r["status"] == "ok" and r.get("prefill_only")), None)
     for r in rows:
         if r["status"] != "ok":
             continue
         r["capacity_x_bf16"] = round(r["capacity_tokens"] / ref_cap, 4) if ref_cap else None
-        prefill_s = (r.get("prefill_only") or {}).get("seconds")
+        floor = r.get("prefill_only") or {}
+        if floor.get("rounds") and ref_rounds:
+            done = [s for s in floor["rounds"] if s]
+            floor["seconds"] = round(statistics.median(done), 2) if done else None
+            paired = [a / b for a, b in zip(floor["rounds"], ref_rounds) if a and b]
+            r["prefill_x_bf16"] = round(statistics.median(paired), 4) if paired else None
+        prefill_s = floor.get("seconds")
         r["output_ceiling_x_bf16"] = (round(ref_all_at_once / prefill_s, 4)
                                       if prefill_s and ref_all_at_once else None)
         for p in r["points"]:
@@ -253,10 +292,25 @@ def codebook_config(model: str, dtype: str) -> dict[str, str] | None:
     return None if path is None else {"codebook": str(path)}
 
 
+def dtype_server(dtype: str, args) -> Server:
+    return measurement_server(args.model, dtype, chunk=args.chunk, max_model_len=args.max_model_len,
+                              max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB),
+                              additional_config=codebook_config(args.model, dtype))
+
+
+def prefill_floor(server: Server, prompts: list[list[int]], seed: int) -> dict[str, Any]:
+    """The workload's prompts all at once, one output token each (module doc: prefill
+    floor), after one short request (a fresh server's first step pays one-time set-up);
+    ``rounds``: the seconds, or None where a request failed."""
+    run_rate(server, [prompts[0][:256]], 1, math.inf, seed)
+    floor = run_rate(server, prompts, 1, math.inf, seed)
+    floor = {k: floor[k] for k in ("completed", "errors", "seconds", "ttft_s")}
+    floor["rounds"] = [floor["seconds"] if floor["completed"] == len(prompts) else None]
+    return floor
+
+
 def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]:
-    server = measurement_server(args.model, dtype, chunk=args.chunk, max_model_len=args.max_model_len,
-                                max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB),
-                                additional_config=codebook_config(args.model, dtype))
+    server = dtype_server(dtype, args)
     # the machine may be shared: its load during the measurement is part of the result
     row: dict[str, Any] = dict(dtype=dtype, status="ok", reason=None,
                                loadavg_start=[round(x, 2) for x in os.getloadavg()])
@@ -283,8 +337,7 @@ def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]
             log(f"{dtype} rate {point['rate']}: {point['output_tokens_per_s']} tok/s, peak running "
                 f"{point['peak_running']}, TTFT p50 {point['ttft_s'] and point['ttft_s']['p50']} s, "
                 f"TPOT p50 {point['tpot_s'] and point['tpot_s']['p50']} s, errors {len(point['errors'])}")
-        floor = run_rate(server, prompts, 1, math.inf, args.seed)
-        row["prefill_only"] = {k: floor[k] for k in ("completed", "errors", "seconds", "ttft_s")}
+        floor = row["prefill_only"] = prefill_floor(server, prompts, args.seed)
         log(f"{dtype} prefill only: {floor['seconds']} s for {floor['completed']} requests")
     finally:
         server.stop()
@@ -348,7 +401,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         args.model = str(prepare_model())
     dtypes = list(dict.fromkeys([REFERENCE] + [d.strip() for d in args.dtypes.split(",") if d.strip()]))
     lo, hi = (int(x) for x in args.prompt_tokens.split(","))
-    rates = [float(x) for x in args.rates.split(",")]
+    rates = [] if args.rates == "none" else [float(x) for x in args.rates.split(",")]
+    if args.prefill_rounds < 1:
+        parser.error(f"--prefill-rounds must be at least 1, got {args.prefill_rounds}")
     if hi + args.output_tokens > args.max_model_len:
         parser.error(f"--max-model-len {args.max_model_len} must hold --prompt-tokens max {hi} + "
                      f"--output-tokens {args.output_tokens}")
@@ -367,20 +422,28 @@ def main(argv: Sequence[str] | None = None) -> dict:
         prompt_tokens=[lo, hi], prompt_tokens_total=sum(len(p) for p in prompts),
         output_tokens=args.output_tokens, rates=[r if not math.isinf(r) else "inf" for r in rates],
         seed=args.seed, max_num_seqs=args.max_num_seqs, chunk=args.chunk, dtypes=dtypes,
+        prefill_rounds=args.prefill_rounds,
         complete=False, elapsed_s=None, rows=rows,
     )
     title = (f"{Path(args.model).name}: KV budget {args.kv_cache_mib:g} MiB, {args.requests} requests "
              f"of {lo}-{hi} prompt + {args.output_tokens} output tokens")
-    for d in dtypes:  # written after every dtype: a long run keeps what it measured
-        rows.append(measure_dtype(d, args, prompts, rates, log))
+
+    def write(complete: bool) -> None:  # after every dtype and round: a long run keeps what it measured
         add_ratios(rows)
-        result.update(elapsed_s=round(time.time() - t0, 1), complete=len(rows) == len(dtypes))
+        result.update(elapsed_s=round(time.time() - t0, 1), complete=complete)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(result, indent=1))
         if args.png:
             Path(args.png).parent.mkdir(parents=True, exist_ok=True)
             plot(rows, args.png, title)
+
+    for d in dtypes:
+        rows.append(measure_dtype(d, args, prompts, rates, log))
+        write(complete=len(rows) == len(dtypes) and args.prefill_rounds == 1)
+    for n in range(2, args.prefill_rounds + 1):
+        prefill_round(rows, args, prompts, log)
+        write(complete=n == args.prefill_rounds)
     print(format_table(result))
     return result
 
@@ -404,7 +467,9 @@ def format_table(result: dict) -> str:
                 f"{f(p['tpot_s'] and p['tpot_s']['p50'], '.3f'):>8} {len(p['errors']):>3}")
     for r in result["rows"]:
         if r.get("prefill_only"):
-            lines.append(f"{r['dtype']:10} prefill only {r['prefill_only']['seconds']} s: output ceiling "
+            rounds = r["prefill_only"].get("rounds") or []
+            each = f" (median of {rounds}, {r.get('prefill_x_bf16')}x bfloat16's)" if len(rounds) > 1 else ""
+            lines.append(f"{r['dtype']:10} prefill only {r['prefill_only']['seconds']} s{each}: output ceiling "
                          f"{r.get('output_ceiling_x_bf16')}x bfloat16")
     return "\n".join(lines)
 

@@ -197,6 +197,28 @@ def test_throughput_ratios_and_output_ceiling(tmp_path):
     assert (tmp_path / "t.png").stat().st_size > 1000
 
 
+def test_throughput_prefill_rounds_pair_each_round_with_bf16s(tmp_path):
+    """--prefill-rounds: the median of a dtype's rounds and the median of its ratios to
+    bfloat16's in the same round (a failed round left out of both); --rates none: no
+    points, the prefill floor only."""
+    from bench import throughput
+
+    rows = [dict(dtype="bfloat16", status="ok", capacity_tokens=1000, points=[],
+                 prefill_only=dict(seconds=20.0, rounds=[20.0, 30.0, 10.0])),
+            dict(dtype="vidkv", status="ok", capacity_tokens=8000, points=[],
+                 prefill_only=dict(seconds=26.0, rounds=[26.0, None, 12.0]))]
+    throughput.add_ratios(rows)
+    bf16, vidkv = rows
+    assert bf16["prefill_only"]["seconds"] == 20.0 and vidkv["prefill_only"]["seconds"] == 19.0
+    assert vidkv["prefill_x_bf16"] == 1.25  # median of 1.3 and 1.2, not 19 / 20
+    assert bf16["prefill_x_bf16"] == 1.0 and vidkv["output_ceiling_x_bf16"] is None
+    assert "median of [26.0, None, 12.0], 1.25x bfloat16's" in throughput.format_table(dict(rows=rows))
+    throughput.plot(rows, tmp_path / "t.png", "t")
+    assert (tmp_path / "t.png").stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        throughput.main(["--prefill-rounds", "0", "--model", str(tmp_path)])
+
+
 @pytest.mark.slow
 def test_quality_run_goes_on_past_a_refused_server(model_dir, tmp_path):
     """vLLM's fp8 cache needs AVX-512 or AMX on the CPU build: where the CPU lacks both, its
