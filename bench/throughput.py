@@ -352,10 +352,16 @@ def plot(rows: list[dict], path: str | Path, title: str) -> None:
     rates = [str(p["rate"]) for p in ok[0]["points"]] if ok else []
     panels = [("output_tokens_per_s", "output tokens/s", None), ("peak_running", "peak running requests", None),
               ("ttft_s", "TTFT p50 (s)", "p50"), ("tpot_s", "TPOT p50 (s)", "p50")]
-    fig, axes = plt.subplots(1, 5, figsize=(21, 4.2))
-    width = 0.8 / max(1, len(ok))
     others = [r["dtype"] for r in ok if r["dtype"] != REFERENCE]
     color = {d: "black" if d == REFERENCE else f"C{others.index(d)}" for d in (r["dtype"] for r in ok)}
+    if not rates:  # --rates none: the prefill floor alone
+        fig, ax = plt.subplots(1, 1, figsize=(7, 4.2))
+        prefill_panel(ax, ok, color)
+        fig.suptitle(title, fontsize=9)
+        save(fig, path)
+        return
+    fig, axes = plt.subplots(1, 5, figsize=(21, 4.2))
+    width = 0.8 / max(1, len(ok))
     for ax, (key, label, sub) in zip(axes, panels):
         for j, r in enumerate(ok):
             ys = [(p[key][sub] if sub else p[key]) if p.get(key) is not None else 0 for p in r["points"]]
@@ -370,19 +376,35 @@ def plot(rows: list[dict], path: str | Path, title: str) -> None:
                       [f"rate {x}/s" if x != "inf" else "all at once" for x in rates])
         ax.set_title(label, fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
-    floor = [r for r in ok if r.get("prefill_only")]
-    bars = axes[4].bar(range(len(floor)), [r["prefill_only"]["seconds"] or 0 for r in floor],
-                       color=[color[r["dtype"]] for r in floor])
-    for b, r in zip(bars, floor):
-        if r.get("output_ceiling_x_bf16") is not None:
-            axes[4].annotate(f"ceiling {r['output_ceiling_x_bf16']:.2f}x", (b.get_x() + b.get_width() / 2,
-                             b.get_height()), ha="center", va="bottom", fontsize=7)
-    axes[4].set_xticks(range(len(floor)), [r["dtype"] for r in floor], fontsize=7)
-    axes[4].set_title("prefill only, all at once (s); ceiling = bf16 full run / this", fontsize=9)
-    axes[4].grid(True, axis="y", alpha=0.3)
+    prefill_panel(axes[4], ok, color)
     axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     save(fig, path)
+
+
+def prefill_panel(ax, rows: list[dict], color: dict[str, str]) -> None:
+    """The prefill floor per dtype: a bar (the median with rounds), each round a dot,
+    annotated with the ratio to bfloat16 (paired by round) and the output ceiling."""
+    floor = [r for r in rows if r.get("prefill_only")]
+    bars = ax.bar(range(len(floor)), [r["prefill_only"]["seconds"] or 0 for r in floor],
+                  color=[color[r["dtype"]] for r in floor])
+    for i, (b, r) in enumerate(zip(bars, floor)):
+        rounds = [s for s in r["prefill_only"].get("rounds") or [] if s]
+        if len(rounds) > 1:
+            ax.plot([i] * len(rounds), rounds, "o", color="grey", markersize=3)
+        notes = [f"{r['prefill_x_bf16']:.2f}x" if r.get("prefill_x_bf16") and r["dtype"] != REFERENCE
+                 else None,
+                 f"ceiling {r['output_ceiling_x_bf16']:.2f}x" if r.get("output_ceiling_x_bf16") else None]
+        if any(notes):
+            ax.annotate("\n".join(n for n in notes if n), (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(floor)), [r["dtype"] for r in floor], fontsize=7)
+    rounds = max((len(r["prefill_only"].get("rounds") or []) for r in floor), default=0)
+    ceilings = any(r.get("output_ceiling_x_bf16") for r in floor)
+    ax.set_title("prefill only, all at once (s)" + (f": median of {rounds} rounds (dots), x = paired ratio"
+                                                    if rounds > 1 else "")
+                 + ("; ceiling = bf16 full run / this" if ceilings else ""), fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -469,8 +491,9 @@ def format_table(result: dict) -> str:
         if r.get("prefill_only"):
             rounds = r["prefill_only"].get("rounds") or []
             each = f" (median of {rounds}, {r.get('prefill_x_bf16')}x bfloat16's)" if len(rounds) > 1 else ""
-            lines.append(f"{r['dtype']:10} prefill only {r['prefill_only']['seconds']} s{each}: output ceiling "
-                         f"{r.get('output_ceiling_x_bf16')}x bfloat16")
+            ceiling = r.get("output_ceiling_x_bf16")
+            lines.append(f"{r['dtype']:10} prefill only {r['prefill_only']['seconds']} s{each}"
+                         + (f": output ceiling {ceiling}x bfloat16" if ceiling is not None else ""))
     return "\n".join(lines)
 
 
