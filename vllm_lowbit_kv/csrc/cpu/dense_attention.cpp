@@ -146,7 +146,7 @@ void run_item(const Args<T>& a, const PairBlocks* pairs, ItemWork<T>& w, int64_t
       products.scores(kt, KB, ntp, p, KB);
     }
     for (int64_t m = 0; m < M; ++m) w.hi[m] = int(std::clamp<int64_t>(limit[m] - j0, 0, nt));
-    softmax_rows(p, int(M), KB, ntp, w.hi.data(), score_scale, mrun.data(), lsum.data(), o,
+    softmax_rows(p, int(M), KB, ntp, 0, w.hi.data(), score_scale, mrun.data(), lsum.data(), o,
                  int(D), w.corr.data());  // online softmax, probabilities in place
 #if defined(__AVX512BF16__)
     if (pairs) products.pair_values(p, KB, pairs->values(h, j0 / KB), nt, o);

@@ -158,8 +158,9 @@ void exact_decode_attention(const at::Tensor& query, const at::Tensor& rows,
         q_in.row(row, qh, 0, 0, D, 1.f, qv);
         for (int j = 0; j < live; ++j)
           sc[j] = score_scale * dot(qv, krows.data() + size_t(j) * D, int(D)) + live_bias[j];
-        float mrun = kNoKey, lsum = 0.f;
-        softmax_block(sc.data(), round_up(live), 0, live, 1.f, mrun, lsum, nullptr, 0);
+        float mrun = kNoKey, lsum = 0.f, corr;
+        softmax_rows(sc.data(), 1, 0, round_up(live), 0, &live, 1.f, &mrun, &lsum, nullptr, 0,
+                     &corr);
         const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
         float* o = out_p + (row * Hq + qh) * D;
         for (int64_t c0 = 0; c0 < D; c0 += 4 * L) {

@@ -1712,6 +1712,8 @@ struct Work {
   float *q, *sc, *acc, *mrun, *lsum;
   float *kt, *vrows, *basis;  // tile path: K^T [D][TP], V [TP][D], basis vectors
   TileProducts products;      // tile path: Q K^T and P V (micro_gemm.h)
+  std::vector<int> group_end;  // softmax_rows' hi: a group's T positions, every row
+  std::vector<float> corr;     // softmax_rows' corrections (RVQ value tables keep their own)
   // tile: whether an item of the call takes the tile path (1) or not (0: empty buffers);
   // bf16: the call's queries are bf16
   Work(const Format& f, int M, int64_t tile, bool bf16)
@@ -1720,7 +1722,8 @@ struct Work {
                tile * f.D * f.TP, tile * f.TP * f.D,
                tile * f.D * f.D}),
         q(tiles[0]), sc(tiles[1]), acc(tiles[2]), mrun(tiles[3]), lsum(tiles[4]), kt(tiles[5]),
-        vrows(tiles[6]), basis(tiles[7]), products(tile && bf16, tile * M, f.D, tile * f.TP) {}
+        vrows(tiles[6]), basis(tiles[7]), products(tile && bf16, tile * M, f.D, tile * f.TP),
+        group_end(M, f.T), corr(M) {}
 };
 
 // The scratch of this thread for calls without the tile path (decode steps), kept between
@@ -1824,11 +1827,8 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
       key_scores(f, st, q, M, sc, wk.s);
     }
     const int masked = int(std::clamp<int64_t>(skip - gi * T, 0, T));  // leading sink positions
-    for (int m = 0; m < M; ++m) {
-      const float corr = softmax_block(sc + m * TP, TP, masked, T, pairs ? run.scale : 1.f,
-                                       mrun[m], lsum[m], acc + size_t(m) * D, D);
-      if (val_rvq) wk.rvq.corr[m] = corr;
-    }
+    softmax_rows(sc, M, TP, TP, masked, wk.group_end.data(), pairs ? run.scale : 1.f, mrun, lsum,
+                 acc, D, val_rvq ? wk.rvq.corr.data() : wk.corr.data());
     if (tiles) {
       wk.products.values(sc, TP, wk.vrows, T, acc);
     } else if (val_rvq) {

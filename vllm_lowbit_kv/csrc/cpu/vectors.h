@@ -172,72 +172,38 @@ inline vf load_bf16(const uint16_t* p) {
   return f;
 }
 
-// One block of keys of an online softmax, for one query vector. row[0, n) holds its raw
-// scores (n a multiple of L), of which positions [lo, hi) count; scale > 0. Leaves in row the
-// probabilities exp(scale s - m) (0 outside [lo, hi)), m the new running maximum; updates
-// mrun and lsum (the sum of those probabilities) and multiplies acc[0, D) (what the earlier
-// blocks summed) by the correction exp(old m - m), which it returns (1 where nothing
-// changes: no position counts, or nothing was summed before).
-inline float softmax_block(float* row, int n, int lo, int hi, float scale, float& mrun,
-                           float& lsum, float* acc, int D) {
-  constexpr float kNoKey = -std::numeric_limits<float>::infinity();
-  if (hi <= lo) {
-    std::fill(row, row + n, 0.f);
-    return 1.f;
-  }
-  // every position counts (a full group): the scale goes into the exponent, no masking pass
-  // (scale > 0, so the maximum of the scaled scores is the scaled maximum)
-  const bool all = lo == 0 && hi == n;
-  const vi lane = iota();
-  vf mx = splat(kNoKey);
-  for (int t = 0; t < n; t += L) {
-    vf s = loadf(row + t);
-    if (!all) {
-      const vi pos = lane + t;
-      s = (pos >= lo) & (pos < hi) ? s * scale : splat(kNoKey);
-      storef(row + t, s);
-    }
-    mx = mx > s ? mx : s;
-  }
-  const float m_new = std::max(mrun, all ? hmax(mx) * scale : hmax(mx));
-  const float corr = mrun == kNoKey ? 1.f : vexp(splat(mrun - m_new))[0];
-  const float s_scale = all ? scale : 1.f;
-  vf total{};
-  for (int t = 0; t < n; t += L) {
-    const vf e = vexp(loadf(row + t) * s_scale - m_new);
-    total += e;
-    storef(row + t, e);
-  }
-  lsum = lsum * corr + hsum(total);
-  mrun = m_new;
-  if (corr != 1.f)
-    for (int c = 0; c < D; ++c) acc[c] *= corr;
-  return corr;
-}
-
-// softmax_block for M rows at once: row m at p + m * ldp, its positions [0, hi[m]) counting
-// (hi[m] <= n), scale as there; mrun, lsum [M] and acc [M][D] as there; corr [M] scratch.
+// One block of keys of an online softmax for M query vectors: row m at p + m * ldp holds its
+// raw scores (n a multiple of L), of which positions [lo, hi[m]) count; scale > 0. Leaves in
+// each row the probabilities exp(scale s - m) (0 outside its positions), m the row's new
+// running maximum; updates mrun[m] and lsum[m] (the sum of those probabilities), multiplies
+// acc[m * D, (m + 1) * D) (what the earlier blocks summed; D a multiple of L) by the
+// correction exp(old m - m) and leaves it in corr[m] (1 where nothing changes: no position
+// counts, or nothing was summed before).
 // Each step runs over all rows before the next (the maxima, the corrections as vectors of
 // rows, then the exponentials and sums): within a row the steps are a chain of dependent
 // reductions, across rows they are independent, and the CPU overlaps them only when they
-// come one after another (row by row, the dense kernel's softmax took half its time).
-inline void softmax_rows(float* p, int M, int64_t ldp, int n, const int* hi, float scale,
-                         float* mrun, float* lsum, float* acc, int D, float* corr) {
+// come one after another (row by row, the dense kernel's softmax took half its time). The
+// scale goes into the exponent (the maximum of the scaled scores is the scaled maximum), so
+// the first pass writes only the vectors it masks.
+inline void softmax_rows(float* p, int M, int64_t ldp, int n, int lo, const int* hi,
+                         float scale, float* mrun, float* lsum, float* acc, int D,
+                         float* corr) {
   constexpr float kNoKey = -std::numeric_limits<float>::infinity();
   const vi lane = iota();
-  for (int m = 0; m < M; ++m) {  // maxima (masked positions set to -inf)
+  for (int m = 0; m < M; ++m) {  // maxima (positions that do not count set to -inf)
     float* row = p + m * ldp;
     vf mx = splat(kNoKey);
     for (int t = 0; t < n; t += L) {
-      vf s = loadf(row + t) * scale;
-      if (t + L > hi[m]) {
-        s = lane + t < hi[m] ? s : splat(kNoKey);
+      vf s = loadf(row + t);
+      if (t < lo || t + L > hi[m]) {
+        const vi pos = lane + t;
+        s = (pos >= lo) & (pos < hi[m]) ? s : splat(kNoKey);
+        storef(row + t, s);
       }
-      storef(row + t, s);
       mx = mx > s ? mx : s;
     }
     corr[m] = mrun[m];
-    mrun[m] = std::max(mrun[m], hmax(mx));
+    mrun[m] = std::max(mrun[m], hmax(mx) * scale);
   }
   for (int m = 0; m < M; m += L) {  // corrections exp(old m - new m), 1 where nothing was summed
     const int lanes = std::min(L, M - m);
@@ -254,7 +220,7 @@ inline void softmax_rows(float* p, int M, int64_t ldp, int n, const int* hi, flo
     const vf m_new = splat(mrun[m]);
     vf total{};
     for (int t = 0; t < n; t += L) {
-      const vf e = vexp(loadf(row + t) - m_new);
+      const vf e = vexp(loadf(row + t) * scale - m_new);
       total += e;
       storef(row + t, e);
     }
