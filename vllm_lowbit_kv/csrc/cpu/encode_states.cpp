@@ -29,8 +29,8 @@
 #include <numeric>
 #include <vector>
 
-#include "descriptors.h"
 #include "amx.h"
+#include "descriptors.h"
 #include "dtypes.h"
 #include "vectors.h"
 
