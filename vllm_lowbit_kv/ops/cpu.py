@@ -418,10 +418,11 @@ def stage_rows(x: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, off: tor
 def write_states(fmt: PageFormat, pages: torch.Tensor, gids: torch.Tensor,
                  states: torch.Tensor) -> bool:
     """``fmt.write_states(pages, gids, states)`` (states [E, H, state_bytes] of the groups
-    ``gids``) by ``csrc/cpu/staging.cpp``: a copy per group and head. True where it ran;
-    False where it does not run (another device, the library not loaded: this never
-    builds it)."""
+    ``gids``) by ``csrc/cpu/staging.cpp``, a copy per group and head: True. Where it does
+    not run (another device, the library not loaded: this never builds it) by
+    ``fmt.write_states`` itself: False."""
     if not _built or pages.device.type != "cpu" or states.device.type != "cpu":
+        fmt.write_states(pages, gids, states)
         return False
     torch.ops.lowbit_kv.write_states(states.contiguous(), _int64(gids), fmt.groups_per_block,
                                      fmt.sink_bytes, fmt.flat_pages(pages))
@@ -483,8 +484,8 @@ def store(k: torch.Tensor, v: torch.Tensor, gids: torch.Tensor, pages: torch.Ten
     states = encode_states(fmt, k, v)
     if states is None:
         reference.store(k, v, gids, pages, page, relevance)
-    elif not write_states(fmt, pages, gids, states):
-        fmt.write_states(pages, gids, states)
+    else:
+        write_states(fmt, pages, gids, states)
 
 
 attention = packed_attention

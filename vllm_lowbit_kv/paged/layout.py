@@ -154,8 +154,7 @@ class PagedLayout(PageBits):
     def write_states(self, pages: torch.Tensor, gids: torch.Tensor, states: torch.Tensor) -> None:
         """states [G, H, C] -> the pages of groups gids [G]: by the C++ copy
         (:func:`vllm_lowbit_kv.ops.cpu.write_states`) where it runs, else the format's."""
-        if not write_states(self.format, pages, gids, states):
-            self.format.write_states(pages, gids, states)
+        write_states(self.format, pages, gids, states)
 
     def _sinks(self, pages: torch.Tensor) -> torch.Tensor:
         """``[B, 2, s, H, D * elt]`` byte view of the sink areas (K then V)."""
