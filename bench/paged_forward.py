@@ -68,7 +68,8 @@ class PagedModel:
                                          Hq if self.obs_window else None, device=device,
                                          staging_dtype=scheme.staging_dtype)
                         for _ in self.layouts]
-        self.alloc = StagingAllocator(slots, T, scheme.sink_tokens, scheme.residual_tokens // T)
+        self.alloc = StagingAllocator(slots, T, scheme.sink_tokens, scheme.residual_tokens // T,
+                                      scheme.leading_tokens // T)
         self.attention_impl, self.packed_attention = select_implementation(
             scheme.layout(D, H, bs), device, attention_impl, gqa=Hq // H)
         retrieval_attention = select_implementation(

@@ -45,7 +45,7 @@ Metrics (DESIGN.md, "How quality is measured"), each scheme against the
 Variants (``--variants``, also accepted in ``--kv-cache-dtype``): a scheme with
 cache fields changed, one row each, labelled as written:
 ``SCHEME[@MOD[+MOD...]]`` with MOD ``R<N>`` (``residual_tokens`` N, ``R0``: no
-bf16 window), ``S<N>`` (``sink_tokens``), ``G<N>`` (``block_tokens``), ``P<N>``
+bf16 window), ``S<N>`` (``sink_tokens``), ``L<N>`` (``leading_tokens``), ``G<N>`` (``block_tokens``), ``P<N>``
 (``page_tokens``), ``hadamard`` / ``norotate`` (``rotate``), ``seed<N>``
 (``rotate_seed``), ``H<N>`` (``retrieval_heads``), ``Hk``
 (``retrieval_keys_only``), ``Hkivi<B>`` (``retrieval_scheme``), ``k<F>`` (VidKV's
@@ -466,6 +466,8 @@ def pareto_frontier(points: Sequence[tuple[float, float]]) -> list[int]:
 VARIANT_MODIFIERS: tuple[tuple[str, str, Any, str], ...] = (
     (r"R(\d+)", "residual_tokens", lambda m: int(m.group(1)), "R<N> (residual_tokens N; R0: no bf16 window)"),
     (r"S(\d+)", "sink_tokens", lambda m: int(m.group(1)), "S<N> (sink_tokens N)"),
+    (r"L(\d+)", "leading_tokens", lambda m: int(m.group(1)),
+     "L<N> (leading_tokens N: the first N tokens read as staged; L0: none)"),
     (r"G(\d+)", "block_tokens", lambda m: int(m.group(1)), "G<N> (block_tokens N: tokens per group)"),
     (r"P(\d+)", "page_tokens", lambda m: int(m.group(1)), "P<N> (page_tokens N: tokens per vLLM page)"),
     (r"hadamard", "rotate", lambda m: "hadamard", "hadamard (rotate hadamard)"),

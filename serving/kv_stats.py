@@ -96,6 +96,7 @@ class SchemeInfo(BaseModel):
     block_tokens: int = Field(description="tokens per quantization group")
     sink_tokens: int
     residual_tokens: int = Field(description="most recent tokens read in bf16 from staging")
+    leading_tokens: int = Field(description="first tokens read from staging by their writer")
     rotate: str
     protect_first: str = Field(description="which tokens STP protects first: visual or text")
     retrieval_heads: int = Field(description="KV heads coded by retrieval_scheme (0: none)")

@@ -162,37 +162,41 @@ def test_attend_new_exact_false_reads_back_through_codec():
     assert torch.equal(k_out[:, :, 32:], ks[:, :, 32:]) and not torch.equal(k_out[:, :, :32], ks[:, :, :32])
 
 
-@pytest.mark.parametrize("rotate", ["none", "hadamard"])
-def test_residual_window_is_read_exactly(rotate):
-    """The last residual_tokens // T encoded blocks are read from exact copies, the
-    earlier ones through the codec (rotated first with rotate=hadamard); the pages keep
-    every block."""
+@pytest.mark.parametrize("rotate,A", [("none", 0), ("hadamard", 0), ("none", 1), ("hadamard", 2)])
+def test_residual_and_leading_windows_are_read_exactly(rotate, A):
+    """The last residual_tokens // T and the first leading_tokens // T encoded blocks are
+    read from exact copies, the ones between through the codec (rotated first with
+    rotate=hadamard); the pages keep every block."""
     T, W = 16, 2
-    scheme = get_scheme("kivi2").with_params(rotate=rotate, block_tokens=T, residual_tokens=W * T)
+    scheme = get_scheme("kivi2").with_params(rotate=rotate, block_tokens=T, residual_tokens=W * T,
+                                             leading_tokens=A * T)
     cache = LowBitKVCache(scheme, tiny_config(num_hidden_layers=1), block_tokens=T)
     g = torch.Generator().manual_seed(5)
     ks = torch.randn(1, H, 90, D, generator=g).bfloat16()
     for s, n in ((0, 40), (40, 1), (41, 30), (71, 19)):
         k_out, _ = cache.update(ks[:, :, s:s + n], ks[:, :, s:s + n], 0)
     layer = cache.layers[0]
-    assert layer.n_blocks == 90 // T and layer.n_window == W
+    assert layer.n_blocks == 90 // T and layer.n_window == W and layer.n_lead == A
     k_seen, _ = layer.decoded()
-    packed = (90 // T - W) * T
+    lead, packed = A * T, (90 // T - W) * T
     kc, _ = scheme.codecs(D, T)
     rot = scheme.rotation(D, 0)
-    blocks = ks[:, :, :packed].float()
+    blocks = ks[:, :, lead:packed].float()
     if rot is not None:
         blocks = rot.rotate(blocks)
-    blocks = blocks.reshape(1, H, packed // T, T, D).permute(0, 2, 3, 1, 4)
-    ref = kc.decode(kc.encode(blocks), torch.float32).permute(0, 3, 1, 2, 4).reshape(1, H, packed, D)
+    n = (packed - lead) // T
+    blocks = blocks.reshape(1, H, n, T, D).permute(0, 2, 3, 1, 4)
+    ref = kc.decode(kc.encode(blocks), torch.float32).permute(0, 3, 1, 2, 4).reshape(
+        1, H, n * T, D)
     if rot is not None:
         ref = rot.unrotate(ref)
-    torch.testing.assert_close(k_seen[:, :, :packed].float(), ref.bfloat16().float(), atol=0.02,
-                               rtol=0)
-    assert not torch.equal(k_seen[:, :, :packed], ks[:, :, :packed])
-    assert torch.equal(k_seen[:, :, packed:], ks[:, :, packed:])  # window and tail exact
+    torch.testing.assert_close(k_seen[:, :, lead:packed].float(), ref.bfloat16().float(),
+                               atol=0.02, rtol=0)
+    assert not torch.equal(k_seen[:, :, lead:packed], ks[:, :, lead:packed])
+    assert torch.equal(k_seen[:, :, :lead], ks[:, :, :lead])  # leading window exact
+    assert torch.equal(k_seen[:, :, packed:], ks[:, :, packed:])  # residual window and tail
     rep = cache.memory_report()
-    assert rep["full_precision_bytes"] == 2 * 2 * H * D * (W * T + 90 % T)
+    assert rep["full_precision_bytes"] == 2 * 2 * H * D * ((W + A) * T + 90 % T)
 
 
 def test_refusals():

@@ -16,7 +16,7 @@ import torch
 from vllm_lowbit_kv.hf_cache import LowBitLayer
 from vllm_lowbit_kv.hf_cache.layer import VisualTokens
 from vllm_lowbit_kv.paged import (PagedLayout, Staging, StagingAllocator, apply_writes, attend,
-                                  attention_mass, forward_layer)
+                                  attention_mass, forward_layer, mask_sink_rows)
 from vllm_lowbit_kv.paged.write import encode_groups, stage_tokens
 from vllm_lowbit_kv.schemes import get_scheme
 
@@ -24,7 +24,7 @@ H, HQ, D = 3, 9, 64
 
 
 def make(scheme="kivi2", T=16, block_size=32, num_blocks=64, slots=8, sinks=0, q_heads=None,
-         window=0, **params):
+         window=0, lead=0, **params):
     s = get_scheme(scheme)
     if params:
         s = s.with_params(**params)
@@ -34,14 +34,14 @@ def make(scheme="kivi2", T=16, block_size=32, num_blocks=64, slots=8, sinks=0, q
     pages = torch.zeros(layout.page_shape(num_blocks), dtype=torch.uint8)
     staging = Staging.allocate(slots, T, H, D, torch.bfloat16, q_heads,
                                staging_dtype=s.staging_dtype)
-    return layout, pages, staging, StagingAllocator(slots, T, sinks, window)
+    return layout, pages, staging, StagingAllocator(slots, T, sinks, window, lead)
 
 
-def fake_quant(layout, k_seq, v_seq, sinks=0, upto=None, window=0):
+def fake_quant(layout, k_seq, v_seq, sinks=0, upto=None, window=0, lead=0):
     """Every group complete within the first ``upto`` tokens (default: all) through the
     codec (group 0's sink rows replaced by copies of its first other row before encoding),
-    except the last ``window`` of them (the residual window); sink positions and the rest
-    exact."""
+    except the last ``window`` of them (the residual window) and the first ``lead`` of the
+    others (the leading window); sink positions and the rest exact."""
     T = layout.T
     L = k_seq.shape[0] if upto is None else upto
     kk, vv = k_seq.float().clone(), v_seq.float().clone()
@@ -53,7 +53,8 @@ def fake_quant(layout, k_seq, v_seq, sinks=0, upto=None, window=0):
             tk[0, :sinks], tv[0, :sinks] = tk[0, sinks], tv[0, sinks]
         dk, dv = layout.decode(layout.encode(tk, tv))
         kk[: n * T], vv[: n * T] = dk.reshape(-1, H, D), dv.reshape(-1, H, D)
-    kk[:sinks], vv[:sinks] = k_seq[:sinks].float(), v_seq[:sinks].float()
+    exact = max(sinks, min(lead, n) * T)  # the leading window is read as staged, sinks too
+    kk[:exact], vv[:exact] = k_seq[:exact].float(), v_seq[:exact].float()
     return kk, vv
 
 
@@ -130,17 +131,18 @@ def test_roundtrip_through_pages():
     assert torch.equal(dk4, ek)
 
 
-@pytest.mark.parametrize("scheme,sinks,window,rotate", [
-    ("kivi2", 0, 0, "none"), ("kivi4", 0, 0, "none"), ("vidkv", 3, 0, "none"),
-    ("kivi2", 16, 0, "none"), ("kivi2", 0, 2, "none"), ("vidkv", 3, 1, "none"),
-    ("vidkv", 3, 3, "none"), ("kivi2", 0, 0, "hadamard"), ("vidkv", 3, 2, "hadamard")])
-def test_chunked_prefill_and_decode_match_reference(scheme, sinks, window, rotate):
+@pytest.mark.parametrize("scheme,sinks,window,rotate,lead", [
+    ("kivi2", 0, 0, "none", 0), ("kivi4", 0, 0, "none", 0), ("vidkv", 3, 0, "none", 0),
+    ("kivi2", 16, 0, "none", 0), ("kivi2", 0, 2, "none", 0), ("vidkv", 3, 1, "none", 0),
+    ("vidkv", 3, 3, "none", 0), ("kivi2", 0, 0, "hadamard", 0), ("vidkv", 3, 2, "hadamard", 0),
+    ("vidkv", 3, 0, "none", 1), ("kivi2", 0, 1, "none", 2), ("vidkv", 3, 2, "hadamard", 1)])
+def test_chunked_prefill_and_decode_match_reference(scheme, sinks, window, rotate, lead):
     """The packed groups read through the codec (rotated by the layout when it rotates:
-    the reference decodes back to the model's space), the window and tail exact (staged
+    the reference decodes back to the model's space), the windows and tail exact (staged
     in the model dtype; int8 staging has its own test below)."""
     torch.manual_seed(0)
-    layout, pages, staging, alloc = make(scheme, sinks=sinks, window=window,
-                                         slots=3 * (window + 1), rotate=rotate,
+    layout, pages, staging, alloc = make(scheme, sinks=sinks, window=window, lead=lead,
+                                         slots=3 * (window + lead + 1), rotate=rotate,
                                          staging_dtype="model")
     assert (layout.rotation is None) == (rotate == "none")
     T = layout.T
@@ -157,14 +159,14 @@ def test_chunked_prefill_and_decode_match_reference(scheme, sinks, window, rotat
             k, v, q = (x[:L] for x in seqs[r])
             # the context as stored before this step: its complete groups through the
             # codec, its partial group exact (staged); the fresh tokens exact
-            kk, vv = fake_quant(layout, k, v, sinks, upto=L - n, window=window)
+            kk, vv = fake_quant(layout, k, v, sinks, upto=L - n, window=window, lead=lead)
             ref = attend(q[L - n:], kk, vv, L - n, scale)
             torch.testing.assert_close(out[qs[i]:qs[i + 1]], ref, atol=1e-4, rtol=0)
-        assert alloc.in_use <= len(seqs) * (window + 1)
+        assert alloc.in_use <= len(seqs) * (window + lead + 1)
 
     done, _ = run_schedule(layout, pages, staging, alloc, seqs, tables, schedule, on_step=check)
-    # live partial groups and the window groups of each sequence hold slots; nothing else
-    assert alloc.in_use == sum(min(window, L // T) + (L % T > 0) for L in done)
+    # live partial groups and the windows' groups of each sequence hold slots; nothing else
+    assert alloc.in_use == sum(min(window + lead, L // T) + (L % T > 0) for L in done)
     # and the pages hold every complete group, window or not
     for r, L in enumerate(done):
         if L < T:
@@ -177,18 +179,21 @@ def test_chunked_prefill_and_decode_match_reference(scheme, sinks, window, rotat
         torch.testing.assert_close(dk.reshape(-1, H, D)[s:], kk[s:L // T * T], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("scheme,window", [("vidkv", 0), ("kivi2", 1)])
-def test_int8_staging_reads_and_encodes_the_tokens_as_held(scheme, window):
-    """staging_dtype int8: the staged tokens (partial group, window) are read as their int8
+@pytest.mark.parametrize("scheme,window,lead,sinks", [("vidkv", 0, 0, 0), ("kivi2", 1, 0, 0),
+                                                      ("vidkv", 0, 1, 3), ("kivi2", 1, 1, 2)])
+def test_int8_staging_reads_and_encodes_the_tokens_as_held(scheme, window, lead, sinks):
+    """staging_dtype int8: the staged tokens (partial group, windows) are read as their int8
     round trip, the step's own tokens exactly, and a completing group is encoded from its
-    staged tokens as held plus its fresh ones exact; the transformers yardstick stores the
-    same bytes and reads the same window and tail."""
+    staged tokens as held plus its fresh ones exact; the sink positions exactly from the
+    sink area once group 0 is complete (packed or in the leading window); the transformers
+    yardstick stores the same bytes and reads the same windows and tail."""
     from vllm_lowbit_kv.codecs.quant import absmax_int8_roundtrip
     torch.manual_seed(5)
     T = 16
-    layout, pages, staging, alloc = make(scheme, T=T, slots=window + 1, window=window,
-                                         staging_dtype="int8")
-    assert staging.k.data.dtype == torch.int8 and staging.k.scale.shape == (window + 1, T, H, 1)
+    slots = window + lead + 1
+    layout, pages, staging, alloc = make(scheme, T=T, slots=slots, window=window, lead=lead,
+                                         sinks=sinks, staging_dtype="int8")
+    assert staging.k.data.dtype == torch.int8 and staging.k.scale.shape == (slots, T, H, 1)
     L = 40
     k, v, q = rnd(L, H, D), rnd(L, H, D), rnd(L, HQ, D)
     rk, rv = absmax_int8_roundtrip(k), absmax_int8_roundtrip(v)
@@ -200,8 +205,10 @@ def test_int8_staging_reads_and_encodes_the_tokens_as_held(scheme, window):
     held_k, held_v = k.clone(), v.clone()  # each group as encoded: staged part rounded
     for a, b in ((0, 11), (16, 17)):
         held_k[a:b], held_v[a:b] = rk[a:b], rv[a:b]
-    dk, dv = layout.decode(layout.encode(held_k[:2 * T].reshape(2, T, H, D),
-                                         held_v[:2 * T].reshape(2, T, H, D)))
+    enc_k, enc_v = held_k[:2 * T].clone(), held_v[:2 * T].clone()
+    mask_sink_rows(enc_k[:T], sinks)  # group 0 as the pages code it
+    mask_sink_rows(enc_v[:T], sinks)
+    dk, dv = layout.decode(layout.encode(enc_k.reshape(2, T, H, D), enc_v.reshape(2, T, H, D)))
     dk, dv = dk.reshape(-1, H, D), dv.reshape(-1, H, D)
 
     def check(rows, qs, seq_lens, out):
@@ -209,8 +216,11 @@ def test_int8_staging_reads_and_encodes_the_tokens_as_held(scheme, window):
         start = bounds[bounds.index(end) - 1]
         groups = start // T  # complete before this step
         staged_from = max(groups - window, 0) * T
-        kk = torch.cat([dk[:staged_from], rk[staged_from:start], k[start:end]])
-        vv = torch.cat([dv[:staged_from], rv[staged_from:start], v[start:end]])
+        lead_to = min(lead * T, staged_from)
+        kk = torch.cat([rk[:lead_to], dk[lead_to:staged_from], rk[staged_from:start], k[start:end]])
+        vv = torch.cat([rv[:lead_to], dv[lead_to:staged_from], rv[staged_from:start], v[start:end]])
+        if staged_from:  # group 0 packed or in the leading window: the sinks exact
+            kk[:sinks], vv[:sinks] = k[:sinks], v[:sinks]
         ref = attend(q[start:end], kk, vv, start, D ** -0.5)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
 
@@ -219,15 +229,20 @@ def test_int8_staging_reads_and_encodes_the_tokens_as_held(scheme, window):
                            on_step=check)
     assert done == [36]
     kc, vc = get_scheme(scheme).codecs(D, T)
-    hf = LowBitLayer(0, kc, vc, T, residual_tokens=window * T, staging_dtype="int8")
+    hf = LowBitLayer(0, kc, vc, T, sinks, residual_tokens=window * T, staging_dtype="int8",
+                     leading_tokens=lead * T)
     for a, b in zip(bounds, bounds[1:]):
         hf.update(k[a:b].permute(1, 0, 2).unsqueeze(0), v[a:b].permute(1, 0, 2).unsqueeze(0))
     states = layout.read_states(pages, torch.arange(2))
     assert torch.equal(states[..., :layout.format.k_bytes], hf.packed_k[0])
     hk, _ = hf.decoded()
     staged_from = max(2 - window, 0) * T
-    torch.testing.assert_close(hk[0].permute(1, 0, 2)[staged_from:], rk[staged_from:36],
-                               atol=0, rtol=0)
+    lead_to = min(lead * T, staged_from)
+    for part in (slice(sinks, lead_to), slice(staged_from, 36)):
+        torch.testing.assert_close(hk[0].permute(1, 0, 2)[part], rk[part], atol=0, rtol=0)
+    assert torch.equal(hk[0].permute(1, 0, 2)[:sinks], k[:sinks])
+    torch.testing.assert_close(hk[0].permute(1, 0, 2)[lead_to:staged_from],
+                               dk[lead_to:staged_from].to(hk.dtype), atol=0, rtol=0)
 
 
 def test_sinks_survive_prefix_caching():
@@ -412,12 +427,15 @@ def test_stp_pages_equal_hf_yardstick(scheme, obs_window, visual):
     assert visual is None or (any(filled[::2]) and any(filled[1::2]))
 
 
-def test_prefix_hit_inside_another_window_reads_the_pages():
-    """B hits A's cached blocks while they are still inside A's residual window: B reads
-    their packed bytes (only A reads its window copy), A keeps reading its copy."""
+@pytest.mark.parametrize("scheme,sinks,W,A", [("kivi2", 0, 2, 0), ("vidkv", 3, 0, 1),
+                                              ("kivi2", 0, 1, 2)])
+def test_prefix_hit_inside_another_window_reads_the_pages(scheme, sinks, W, A):
+    """B hits A's cached blocks while they are still inside A's residual (W groups) or
+    leading (A groups) window: B reads their packed bytes and the sink area (only A reads
+    its window copies), A keeps reading its copies."""
     torch.manual_seed(4)
-    W = 2
-    layout, pages, staging, alloc = make("kivi2", window=W, slots=2 * (W + 1))
+    layout, pages, staging, alloc = make(scheme, sinks=sinks, window=W, lead=A,
+                                         slots=2 * (W + A + 1), staging_dtype="model")
     bs, T = layout.block_size, layout.T
     L = 2 * bs
     k, v, q = rnd(L + 3, H, D), rnd(L + 3, H, D), rnd(L + 3, HQ, D)
@@ -428,7 +446,7 @@ def test_prefix_hit_inside_another_window_reads_the_pages():
                              owners=["A"])
     forward_layer(wp, rp, layout, q[:L], k[:L], v[:L], pages, staging, scale,
                   torch.zeros(L, HQ, D))
-    assert alloc.in_use == W
+    assert alloc.in_use == W + A
     # one step, both: A decodes its next token (block 12), B hits blocks 3, 9 and
     # prefills 3 tokens of its own (block 11)
     fresh = slice(L, L + 3)
@@ -436,50 +454,55 @@ def test_prefix_hit_inside_another_window_reads_the_pages():
     wp, rp = alloc.plan_step(slots, [L + 1, L + 3], [0, 1, 4],
                              torch.tensor([[3, 9, 12], [3, 9, 11]]), layout.groups_per_block,
                              owners=["A", "B"])
-    assert rp.window_slots[0] != [] and rp.window_slots[1] == []
+    assert [len(x) for x in rp.window_slots] == [W, 0]
+    assert [len(x) for x in rp.lead_slots] == [A, 0]
     out = torch.zeros(4, HQ, D)
     forward_layer(wp, rp, layout, torch.cat([q[L:L + 1], q[fresh]]),
                   torch.cat([k[L:L + 1], k[fresh]]), torch.cat([v[L:L + 1], v[fresh]]),
                   pages, staging, scale, out)
-    kk, vv = fake_quant(layout, k[:L], v[:L])  # every group through the codec
-    for rows, window in ((slice(0, 1), W), (slice(1, 4), 0)):
-        ka, va = fake_quant(layout, k[:L], v[:L], window=window)
+    kk, vv = fake_quant(layout, k[:L], v[:L], sinks)  # every group through the codec
+    for rows, window, lead in ((slice(0, 1), W, A), (slice(1, 4), 0, 0)):
+        ka, va = fake_quant(layout, k[:L], v[:L], sinks, window=window, lead=lead)
         n = rows.stop - rows.start
         ka = torch.cat([ka, (k[L:L + 1] if n == 1 else k[fresh])])
         va = torch.cat([va, (v[L:L + 1] if n == 1 else v[fresh])])
         ref = attend(q[L:L + 1] if n == 1 else q[fresh], ka, va, L, scale)
         torch.testing.assert_close(out[rows], ref, atol=1e-4, rtol=0)
-    # B's read differs from A's window copy: the packed bytes, not bf16
-    assert not torch.allclose(kk[L - W * T:], k[L - W * T:L], atol=1e-3)
+    # B's read differs from A's window copies: the packed bytes, not bf16
+    assert not torch.allclose(kk[L - W * T:], k[L - W * T:L], atol=1e-3) or not W
+    assert not torch.allclose(kk[sinks:A * T], k[sinks:A * T], atol=1e-3) or not A
 
 
-def test_window_slides_and_ended_requests_return_every_slot():
-    """Decode moves groups out of the window (their slots return in the same step); an
-    ended (finished, aborted or preempted) request returns its window and partial group."""
-    W = 2
-    layout, pages, staging, alloc = make("kivi2", window=W, slots=W + 1)
+@pytest.mark.parametrize("W,A", [(2, 0), (0, 1), (1, 2)])
+def test_window_slides_and_ended_requests_return_every_slot(W, A):
+    """Decode moves groups out of the residual window (their slots return in the same
+    step), the leading window's groups stay; an ended (finished, aborted or preempted)
+    request returns both windows and its partial group."""
+    layout, pages, staging, alloc = make("kivi2", window=W, lead=A, slots=W + A + 1)
     bs, T = layout.block_size, layout.T
     table = torch.tensor([[5, 6, 7, 8]])
     L = 0
-    for n in [40, 1, 1, 30, 33, 1, 1]:  # never more than W + 1 slots
+    for n in [40, 1, 1, 30, 33, 1, 1]:  # never more than W + A + 1 slots
         pos = torch.arange(L, L + n)
         L += n
         wp, rp = alloc.plan_step(table[0][pos // bs] * bs + pos % bs, [L], [0, n], table,
                                  layout.groups_per_block, owners=["A"])
-        assert alloc.in_use == min(W, L // T) + (L % T > 0)
-    assert alloc.release_blocks(table[0].tolist(), layout.groups_per_block) == W + 1
+        assert alloc.in_use == min(W + A, L // T) + (L % T > 0)
+    assert [alloc.index_of[s] for s in rp.lead_slots[0]] == list(range(A))
+    assert alloc.release_blocks(table[0].tolist(), layout.groups_per_block) == W + A + 1
     assert alloc.in_use == 0 and alloc.owned == {}
 
 
-def test_release_window_keeps_the_partial_group():
-    layout, pages, staging, alloc = make("kivi2", window=2, slots=3)
+@pytest.mark.parametrize("W,A", [(2, 0), (1, 1)])
+def test_release_window_keeps_the_partial_group(W, A):
+    layout, pages, staging, alloc = make("kivi2", window=W, lead=A, slots=3)
     bs = layout.block_size
     alloc.plan_step(5 * bs + torch.arange(40), [40], [0, 40], torch.tensor([[5, 6]]),
                     layout.groups_per_block, owners=["A"])
     assert alloc.in_use == 3 and alloc.release_window("A") == 2 and alloc.in_use == 1
     _, rp = alloc.plan_step(torch.tensor([5 * bs + 40]), [41], [0, 1], torch.tensor([[5, 6]]),
                             layout.groups_per_block, owners=["A"])
-    assert rp.window_slots == [[]] and int(rp.num_groups[0]) == 2
+    assert rp.window_slots == [[]] and rp.lead_slots == [[]] and int(rp.num_groups[0]) == 2
 
 
 def test_release_before_take_one_slot_per_request():

@@ -203,6 +203,8 @@ def test_variant_modifiers_set_retrieval_heads_and_key_share():
     with pytest.raises(ValueError, match="modifier 'k-1'"):
         quality.parse_variant("vidkv@k-1")
     assert quality.parse_variant("rvq8x256@K6+S4").mods == {"num_codebooks": 6, "sink_tokens": 4}
+    assert quality.parse_variant("vidkv@L0+R128").mods == {"leading_tokens": 0,
+                                                           "residual_tokens": 128}
     assert quality.parse_variant("vidkv@g0.5+nofft").mods == {"gamma": 0.5, "fft": False}
     assert quality.parse_variant("vidkv@H3+Hkivi8").mods == {"retrieval_heads": 3, "retrieval_scheme": "kivi8"}
 

@@ -23,7 +23,8 @@ def test_fields_cover_every_codec_parameter():
         for spec in (s.key, s.value):
             params |= {p for p in inspect.signature(spec.cls.__init__).parameters
                        if spec.accepts(p)}
-    cache = {"block_tokens", "sink_tokens", "residual_tokens", "page_tokens", "rotate", "rotate_seed",
+    cache = {"block_tokens", "sink_tokens", "residual_tokens", "leading_tokens", "page_tokens",
+             "rotate", "rotate_seed",
              "protect_first", "retrieval_heads", "retrieval_scheme", "retrieval_keys_only",
              "staging_dtype", "skip_layers", "obs_window", "attention_impl"}
     eviction = {"eviction", "retention", "eviction_gamma", "eviction_sinks", "recent_window",
@@ -46,6 +47,10 @@ def test_fields_cover_every_codec_parameter():
     ({"residual_tokens": 2048}, "kivi2", r"field 'residual_tokens': Input should be less than or equal to 1024"),
     ({"residual_tokens": -64}, "kivi2", r"field 'residual_tokens': Input should be greater than or equal to 0"),
     ({"block_tokens": 96}, "kivi2", r"residual_tokens must be a multiple of block_tokens \(96\)"),
+    ({"leading_tokens": 100}, "vidkv",
+     r"leading_tokens must be a multiple of block_tokens \(128\) in \[0, 1024\] \(0: no window\), got 100"),
+    ({"leading_tokens": 2048}, "kivi2", r"field 'leading_tokens': Input should be less than or equal to 1024"),
+    ({"leading_tokens": -64}, "kivi2", r"field 'leading_tokens': Input should be greater than or equal to 0"),
     ({"rotate": "dct"}, "kivi2", r"field 'rotate': Input should be 'none' or 'hadamard'"),
     ({"page_tokens": 100}, "vidkv", r"page_tokens must be a multiple of block_tokens \(128\) in \[128, 8192\], got 100"),
     ({"page_tokens": 16384}, "vidkv", r"field 'page_tokens': Input should be less than or equal to 8192"),

@@ -26,8 +26,15 @@ Cache layout (any scheme):
   written as groups fill; the window is a model-dtype copy beside them that only
   the sequence that wrote it reads (:mod:`vllm_lowbit_kv.paged`), counted in
   ``effective_bits_at`` and inside the KV budget.
-* ``staging_dtype``: ``model`` or ``int8``: what the staged tokens (the residual
-  window and the partial last group) are held in: the model dtype, or int8 with a
+* ``leading_tokens``: the first tokens of every sequence (a multiple of
+  ``block_tokens``, at most 1024; 0: none) read as staged, the residual window's
+  counterpart at the start: attention sinks and a system prompt's instructions,
+  which every later answer attends to. The same rules as the residual window: the
+  pages are written as groups fill, only the sequence that wrote the copy reads it
+  (another one sharing the first page through the prefix cache reads the page and
+  its sink area), counted in ``effective_bits_at`` and inside the KV budget.
+* ``staging_dtype``: ``model`` or ``int8``: what the staged tokens (the leading
+  and residual windows and the partial last group) are held in: the model dtype, or int8 with a
   float32 scale per token and KV head (8.5 bits per element at head_dim 64, an error
   of at most absmax / 254 per element), about half the staging memory and 0.12 bits
   per element at 8K with 128-token groups. The current step's tokens are always
@@ -146,6 +153,8 @@ class LowBitKVConfig(BaseModel):
                                     description="first tokens of a sequence kept exact")
     residual_tokens: int | None = Field(None, ge=0, le=MAX_RESIDUAL_TOKENS,
                                         description="most recent tokens read in the model dtype")
+    leading_tokens: int | None = Field(None, ge=0, le=MAX_RESIDUAL_TOKENS,
+                                       description="first tokens read as staged by their writer")
     page_tokens: int | None = Field(None, ge=1, le=MAX_PAGE_TOKENS,
                                     description="tokens per vLLM page unless --block-size is given")
     rotate: Literal[ROTATIONS] | None = None  # type: ignore[valid-type]
@@ -373,7 +382,8 @@ class LowBitKVConfig(BaseModel):
         return (
             f"lowbit-kv: --kv-cache-dtype {name} ({scheme.summary}); {codec_desc}; "
             f"block_tokens={scheme.block_tokens} sink_tokens={scheme.sink_tokens} "
-            f"residual_tokens={scheme.residual_tokens} staging_dtype={scheme.staging_dtype} "
+            f"residual_tokens={scheme.residual_tokens} leading_tokens={scheme.leading_tokens} "
+            f"staging_dtype={scheme.staging_dtype} "
             f"rotate={scheme.rotate} "
             f"{f'protect_first={scheme.protect_first} ' if scheme.uses_relevance else ''}"
             + (f"retrieval_heads={scheme.retrieval_heads} ({scheme.retrieval_scheme} "

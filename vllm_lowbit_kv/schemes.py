@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 #: KIVI's and VidKV's full-precision residual (R = 128 tokens)
 DEFAULT_RESIDUAL_TOKENS = 128
-#: largest residual window (tokens): staging holds it for every running sequence
+#: largest residual or leading window (tokens): staging holds it for every running sequence
 MAX_RESIDUAL_TOKENS = 1024
 #: tokens per vLLM page (block) by default: the sink area, which every page carries
 #: (paged/), is paid once per page, so larger pages make sinks cheap
@@ -39,7 +39,8 @@ DEFAULT_PAGE_TOKENS = 512
 #: largest page (tokens)
 MAX_PAGE_TOKENS = 8192
 #: fields of a scheme that shape the cache rather than a codec
-CACHE_FIELDS = ("block_tokens", "sink_tokens", "residual_tokens", "page_tokens", "rotate",
+CACHE_FIELDS = ("block_tokens", "sink_tokens", "residual_tokens", "leading_tokens",
+                "page_tokens", "rotate",
                 "rotate_seed", "protect_first", "retrieval_heads", "retrieval_scheme",
                 "retrieval_keys_only", "staging_dtype")
 
@@ -73,6 +74,9 @@ class KVScheme:
     sink_tokens: int = 0
     #: the most recent tokens read in the model dtype (KIVI's residual R), beside the pages
     residual_tokens: int = DEFAULT_RESIDUAL_TOKENS
+    #: the first tokens read in the staging dtype by the sequence that wrote them (attention
+    #: sinks and a system prompt), beside the pages; 0: none
+    leading_tokens: int = 0
     #: tokens per vLLM page when --block-size is not given (a multiple of block_tokens);
     #: None: the smallest multiple of block_tokens >= DEFAULT_PAGE_TOKENS
     page_tokens: int | None = None
@@ -88,7 +92,7 @@ class KVScheme:
     retrieval_scheme: str = "kivi4"
     #: retrieval heads take only the key codec of ``retrieval_scheme``, values keep this scheme's
     retrieval_keys_only: bool = False
-    #: what the staged tokens (residual window, partial group) are held in: "model" (the
+    #: what the staged tokens (windows, partial group) are held in: "model" (the
     #: model dtype) or "int8" (a scale per token and head, :data:`~.codecs.quant.STAGING_DTYPES`)
     staging_dtype: str = "model"
 
@@ -140,9 +144,9 @@ class KVScheme:
 
     @property
     def staged_groups(self) -> int:
-        """Groups per running sequence held in the model dtype beside the pages: the
-        residual window's groups and the partial last group."""
-        return self.residual_tokens // self.block_tokens + 1
+        """Groups per running sequence held in :attr:`staging_dtype` beside the pages: the
+        leading and residual windows' groups and the partial last group."""
+        return (self.leading_tokens + self.residual_tokens) // self.block_tokens + 1
 
     @property
     def page_size(self) -> int:
@@ -154,8 +158,9 @@ class KVScheme:
                           model_dtype_bytes: int = 2, model_kv_heads: int | None = None) -> float:
         """Honest bits per element of one sequence of ``context_tokens`` tokens: every page
         byte of its blocks of ``block_size`` tokens (default :attr:`page_size`; sink area
-        in the model dtype and padding included) plus its staging (residual window and
-        partial group, :attr:`staged_groups` groups in :attr:`staging_dtype`, as allocated),
+        in the model dtype and padding included) plus its staging (leading and residual
+        windows and partial group, :attr:`staged_groups` groups in :attr:`staging_dtype`, as
+        allocated),
         over its K and V elements; with retrieval heads, over all ``model_kv_heads`` of the
         model."""
         from .paged import PagedLayout, sink_dtype
@@ -244,10 +249,12 @@ class KVScheme:
         require_staging_dtype(self.staging_dtype)
         self.codecs(head_dim)  # validates block_tokens and the codec parameters
         T = self.block_tokens
-        require(isinstance(self.residual_tokens, int) and 0 <= self.residual_tokens
-                <= MAX_RESIDUAL_TOKENS and self.residual_tokens % T == 0, "residual_tokens",
-                f"a multiple of block_tokens ({T}) in [0, {MAX_RESIDUAL_TOKENS}] (0: no window)",
-                self.residual_tokens)
+        for name in ("residual_tokens", "leading_tokens"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and 0 <= value <= MAX_RESIDUAL_TOKENS
+                    and value % T == 0, name,
+                    f"a multiple of block_tokens ({T}) in [0, {MAX_RESIDUAL_TOKENS}] (0: no window)",
+                    value)
         require(self.page_tokens is None or (isinstance(self.page_tokens, int) and
                 0 < self.page_tokens <= MAX_PAGE_TOKENS and self.page_tokens % T == 0),
                 "page_tokens", f"a multiple of block_tokens ({T}) in [{T}, {MAX_PAGE_TOKENS}]",
@@ -309,11 +316,16 @@ VIDKV_VALUE = {"gamma": 0.7, "protect": 0.0}
 # lowers perplexity a little but costs retrieval (bench/results/quality_vllm.md).
 VIDKV_CACHE = dict(block_tokens=128, sink_tokens=4, residual_tokens=0, page_tokens=2048,
                    staging_dtype="int8")
+# The bits left up to 2.25 at 8K hold a sequence's first group staged (a leading window,
+# 2.24 bits at 8K): answers follow a system prompt's instructions as bf16's do (chats
+# equal to bf16's from 13 to 18 of 20 on the same machine, where a 128-token residual
+# window at the end changes none; bench/results/quality_vllm_leading.md).
 register(KVScheme("vidkv", "VidKV: K 1.5-bit (range-selected 2/1-bit, FFT), V ternary "
                            "per-channel, 128-token groups; 7 retrieval heads with 4-bit keys and "
-                           "values; 4 exact sink tokens; int8 staging",
+                           "values; 4 exact sink tokens; the first 128 tokens and the partial "
+                           "group staged in int8",
                   VIDKV_KEY, CodecSpec(TernaryValueCodec, VIDKV_VALUE), retrieval_heads=7,
-                  **VIDKV_CACHE))
+                  leading_tokens=128, **VIDKV_CACHE))
 # vidkv_retrieval: what the int8 staging pays for within 2.25 bits at 8K. Passkeys are
 # lost in the heads that are not retrieval heads, to their 1-bit key channels
 # (bench/results/quality_vllm_k2keys.md): 13 of 16 key channels at 2 bits and 6

@@ -160,10 +160,13 @@ def compacted_read_plan(read: ReadPlan, rows: dict[int, tuple[int, int, torch.Te
             keep_from, kept_len, kept_gids = rows[r]
             require(read.ctx_len[r] >= keep_from, "compacted request context",
                     f">= its kept-in-place start ({keep_from})", read.ctx_len[r])
+            require(not read.lead_slots[r], "compacted request's leading window",
+                    "released with its pages' compaction", read.lead_slots[r])
             seg = torch.cat([kept_gids.long(), seg[keep_from // T:]])
             ctx_len[r] = kept_len + read.ctx_len[r] - keep_from
         segs.append(seg)
     table = torch.nn.utils.rnn.pad_sequence(segs, batch_first=True) if segs else read.group_table
     num_groups = torch.tensor([x.numel() for x in segs], dtype=torch.long)
     return make_read_plan(table, num_groups, read.tail_slot, ctx_len, read.q_start,
-                          read.first_block, T, layout.sink_tokens, read.window_slots)
+                          read.first_block, T, layout.sink_tokens, read.window_slots,
+                          read.lead_slots)

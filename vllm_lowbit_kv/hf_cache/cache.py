@@ -89,7 +89,8 @@ class LowBitKVCache(Cache):
                                attend_new_exact, evictable,
                                self.residual_tokens if kc is not None else 0,
                                self.scheme.rotation(head_dim, i) if kc is not None else None,
-                               self.visual, self.scheme.staging_dtype if kc is not None else "model")
+                               self.visual, self.scheme.staging_dtype if kc is not None else "model",
+                               self.scheme.leading_tokens if kc is not None else 0)
         layers = []
         for i in range(n_layers):
             if i in self.skip_layers:

@@ -1,4 +1,5 @@
-"""One layer of the transformers cache: sinks, packed blocks, residual window and tail."""
+"""One layer of the transformers cache: sinks, packed blocks, leading and residual windows
+and tail."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ class LowBitLayer(DynamicLayer):
                  block_tokens: int, sink_tokens: int = 0, relevance: str | RelevanceFn = "none",
                  obs_window: int = 32, attend_new_exact: bool = True, evictable: bool = False,
                  residual_tokens: int = 0, rotation: HadamardRotation | None = None,
-                 visual: VisualTokens | None = None, staging_dtype: str = "model"):
+                 visual: VisualTokens | None = None, staging_dtype: str = "model",
+                 leading_tokens: int = 0):
         super().__init__()
         require_staging_dtype(staging_dtype)
         #: the tail and window are held as the pages' staging holds them (int8: rounded once)
@@ -62,6 +64,11 @@ class LowBitLayer(DynamicLayer):
                 f"a multiple of block_tokens ({block_tokens}), >= 0", residual_tokens)
         #: complete groups of the residual window, read exactly instead of their codes
         self.window_groups = residual_tokens // block_tokens if residual_tokens else 0
+        require(isinstance(leading_tokens, int) and leading_tokens >= 0
+                and (leading_tokens == 0 or leading_tokens % block_tokens == 0), "leading_tokens",
+                f"a multiple of block_tokens ({block_tokens}), >= 0", leading_tokens)
+        #: the first groups, read as staged instead of their codes (the leading window)
+        self.lead_groups = leading_tokens // block_tokens if leading_tokens else 0
         self.rotation = rotation
         self.layer_idx = layer_idx
         self.evictable = evictable
@@ -79,6 +86,8 @@ class LowBitLayer(DynamicLayer):
         self.sink_k = self.sink_v = None
         self.packed_k = self.packed_v = None  # uint8 [B, n_blocks, H, nbytes]
         self.window_k = self.window_v = None  # exact copies of the last window_groups blocks
+        self.lead_k = self.lead_v = None  # staged copies of the first lead_groups blocks
+        self.lead_open = self.lead_groups > 0  # blocks 0.. still join the leading window
         self.q_obs: torch.Tensor | None = None  # float32 [B, Hq, w, D]
         self.q_first = 0
         self.q_scale = 1.0
@@ -119,9 +128,9 @@ class LowBitLayer(DynamicLayer):
         if self.packed_k is not None:
             self.packed_k = self.packed_k.index_select(0, idx)
             self.packed_v = self.packed_v.index_select(0, idx)
-        if self.window_k is not None:
-            self.window_k = self.window_k.index_select(0, idx)
-            self.window_v = self.window_v.index_select(0, idx)
+        for name in ("window_k", "window_v", "lead_k", "lead_v"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).index_select(0, idx))
         if self.q_obs is not None:
             self.q_obs = self.q_obs.index_select(0, idx)
         self.exact_k = [t.index_select(0, idx) for t in self.exact_k]
@@ -209,23 +218,35 @@ class LowBitLayer(DynamicLayer):
         """Encoded blocks read from their exact copies (the residual window)."""
         return 0 if self.window_k is None else self.window_k.shape[-2] // self.block_tokens
 
+    @property
+    def n_lead(self) -> int:
+        """Encoded blocks read from their staged copies at the start (the leading window;
+        blocks the residual window holds are its)."""
+        held = 0 if self.lead_k is None else self.lead_k.shape[-2] // self.block_tokens
+        return min(held, self.n_blocks - self.n_window)
+
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every cached token as attention sees it: decode(blocks before the window) ++ the
-        window's blocks as staged ++ tail as staged; the sink positions exact once group 0
-        is read from its packed block (before, they are read as staged, as the pages'
-        read plans do: ``skip_tokens``)."""
+        """Every cached token as attention sees it: the leading window's blocks as staged
+        ++ decode(blocks between the windows) ++ the residual window's blocks as staged ++
+        tail as staged; the sink positions exact once group 0 is read from its packed block
+        or the leading window (before, they are read as staged, as the pages' read plans
+        do: ``skip_tokens``)."""
         ks, vs = [], []
-        n_packed = self.n_blocks - self.n_window
+        a = self.n_lead
+        if a:
+            ks.append(self.lead_k[:, :, :a * self.block_tokens])
+            vs.append(self.lead_v[:, :, :a * self.block_tokens])
+        n_packed = self.n_blocks - self.n_window - a
         if n_packed:
-            ks.append(self._decode(self.key_codec, self.packed_k[:, :n_packed]))
-            vs.append(self._decode(self.value_codec, self.packed_v[:, :n_packed]))
+            ks.append(self._decode(self.key_codec, self.packed_k[:, a:a + n_packed]))
+            vs.append(self._decode(self.value_codec, self.packed_v[:, a:a + n_packed]))
         if self.n_window:
             ks.append(self.window_k)
             vs.append(self.window_v)
         ks.append(self.keys)
         vs.append(self.values)
         k, v = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
-        if n_packed:  # sink positions are read from their exact copies
+        if n_packed or a:  # group 0 complete: sink positions read from their exact copies
             n = self.sink_k.shape[-2]
             k[:, :, :n], v[:, :, :n] = self.sink_k, self.sink_v
         return k, v
@@ -301,6 +322,12 @@ class LowBitLayer(DynamicLayer):
                                            if x is not None], dim=-2)[:, :, -keep:].clone()
                 self.window_v = torch.cat([x for x in (self.window_v, kept_v[:, :, :m])
                                            if x is not None], dim=-2)[:, :, -keep:].clone()
+            lead = min(m, self.lead_groups * self.block_tokens - start) if self.lead_open else 0
+            if lead > 0:
+                self.lead_k = torch.cat([x for x in (self.lead_k, kept_k[:, :, :lead])
+                                         if x is not None], dim=-2).clone()
+                self.lead_v = torch.cat([x for x in (self.lead_v, kept_v[:, :, :lead])
+                                         if x is not None], dim=-2).clone()
             kept_k, kept_v = kept_k[:, :, m:].clone(), kept_v[:, :, m:].clone()
         self.keys, self.values = kept_k, kept_v
         if n_full and not self.attend_new_exact:
@@ -333,9 +360,11 @@ class LowBitLayer(DynamicLayer):
             self.length = length
             self.q_obs, self.q_first, self.q_scale = queries
             self.key_pos = kept  # before _store: relevance is causal by original position
-            self._store(k, v)
             # rewritten groups are read from their codes, as the vLLM backend does after
-            # compacting (its window slots are released); later groups refill the window
+            # compacting (its window slots are released); later groups refill the residual
+            # window, never the leading one (their positions are past it)
+            self.lead_open = False
+            self._store(k, v)
             self.window_k = self.window_v = None
         self.key_pos = kept
         self.exact_k, self.exact_v = [], []
@@ -351,7 +380,8 @@ class LowBitLayer(DynamicLayer):
         packed_tokens = self.n_blocks * self.block_tokens
         packed = 0 if self.packed_k is None else self.packed_k.numel() + self.packed_v.numel()
         fp = sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.keys, self.values,
-                                                         self.window_k, self.window_v)
+                                                         self.window_k, self.window_v,
+                                                         self.lead_k, self.lead_v)
                  if t is not None)
         stored = packed_tokens + self.keys.shape[-2]
         return dict(tokens=self.length, stored_tokens=stored, packed_tokens=packed_tokens, packed_bytes=packed,

@@ -39,6 +39,14 @@ engine returns the slots of finished, aborted and preempted requests
 Anything else (a group continuing without its staged tokens, an exhausted
 pool) is a bookkeeping bug and raises: never attend to made-up values.
 
+Windows. A completed group may keep its slot for the sequence that staged it:
+its last ``W = residual_tokens / T`` complete groups (the residual window) and
+its first ``A = leading_tokens / T`` (the leading window: sinks and a system
+prompt) are read by that sequence from their slots instead of their pages, so
+``A + W + 1`` slots per running request. The pages are written all the same, so
+another sequence sharing such a block through the prefix cache reads its
+packed bytes (and the sink area), never a slot it does not own.
+
 Sinks. With ``sink_tokens = s > 0`` (s <= T) the first s tokens of every
 sequence are also kept exactly, in the model dtype, in the sink area of the
 sequence's first block (every page carries the area, used only in a

@@ -205,9 +205,9 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
             sk, sv = layout.read_sinks_batch(pages, b.sink_blocks, b.sinks)
             ks.append(sk)
             vs.append(sv)
-        if b.tail:
-            ks.append(staging.k.read_run(b.tail_slots, b.tail))
-            vs.append(staging.v.read_run(b.tail_slots, b.tail))
+        if b.tail > b.staged_skip:
+            ks.append(staging.k.read_run(b.tail_slots, b.tail)[:, b.staged_skip:])
+            vs.append(staging.v.read_run(b.tail_slots, b.tail)[:, b.staged_skip:])
         if b.bias is None:  # a prefill chunk: its rows are one range
             r, first = b.requests[0], int(b.rows[0, 0])
             rows = slice(first, first + b.rows.shape[1])
@@ -229,11 +229,17 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
 
 def context_keys(rplan: ReadPlan, r: int, layout: PagedLayout, pages: torch.Tensor,
                  staging: Staging) -> torch.Tensor:
-    """Request r's context keys as read before this step: [ctx, H, D] float32 (packed
-    groups decoded, sink positions from the sink area, the staged window and tail)."""
+    """Request r's context keys as read before this step, in token order: [ctx, H, D]
+    float32 (the staged leading window, packed groups decoded, sink positions from the
+    sink area, the staged residual window and tail)."""
     H, D, T = layout.H, layout.D, layout.T
-    g = int(rplan.num_groups[r])
+    g, lead = int(rplan.num_groups[r]), rplan.lead_slots[r]
     parts = []
+    if lead:  # its sink positions from the sink area
+        parts.append(staging.k.read_run(torch.tensor(lead, device="cpu"), len(lead) * T))
+        s = layout.sink_tokens
+        if s:
+            parts[0][:s] = layout.read_sinks(pages, rplan.first_block[r], s)[0]
     if g:
         dk, _ = layout.decode(layout.read_states(pages, rplan.group_table[r, :g]))
         dk = dk.reshape(g * T, H, D)
@@ -241,7 +247,7 @@ def context_keys(rplan: ReadPlan, r: int, layout: PagedLayout, pages: torch.Tens
         if s:
             dk[:s] = layout.read_sinks(pages, rplan.first_block[r], s)[0]
         parts.append(dk)
-    part = rplan.ctx_len[r] - g * T
+    part = rplan.ctx_len[r] - (g + len(lead)) * T
     if part:
         slots = rplan.window_slots[r] + ([rplan.tail_slot[r]] if rplan.ctx_len[r] % T else [])
         parts.append(staging.k.read_run(torch.tensor(slots, device="cpu"), part))

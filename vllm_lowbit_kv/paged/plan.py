@@ -1,5 +1,5 @@
 """Write and read planning: from vLLM's slot mapping to the groups each step completes, the
-staging slots of partial groups and residual windows, and what every request reads."""
+staging slots of partial groups, leading and residual windows, and what every request reads."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ class ReadPlan:
     page_start: list[int]  # [R+1] request r's groups are page_gids[page_start[r]:page_start[r+1]]
     tail_slot: list[int]  # [R] staging slot holding the partial group in the context, -1: none
     window_slots: list[list[int]]  # [R] slots of the residual window's groups, token order
+    lead_slots: list[list[int]]  # [R] slots of the leading window's groups (group 0 on)
     ctx_len: list[int]  # [R] tokens before this step's fresh tokens
     q_start: list[int]  # [R+1] fresh tokens of request r: rows q_start[r]:q_start[r+1]
     first_block: list[int]  # [R] the request's first block (sink area), -1: none
@@ -70,8 +71,8 @@ class ReadPlan:
 @dataclass
 class ExactBatch:
     """Requests whose fresh rows attend together to their exact keys: their sinks (sink
-    area), the staged run of their context (residual window, then partial group) and
-    their fresh tokens (causal). Planned once per step, used by every layer."""
+    area), the staged run of their context (leading window, residual window, then partial
+    group) and their fresh tokens (causal). Planned once per step, used by every layer."""
 
     requests: list[int]  # [B] the batch's requests (indices into the plan's requests)
     rows: torch.Tensor  # int64 [B, Q]: the fresh rows of each request
@@ -82,6 +83,9 @@ class ExactBatch:
     #: decode batches (Q = 1): float32 [B, 1, 1, sinks + tail + 1], 0 = attend, -inf = not;
     #: None for a prefill chunk (one request: its sinks and tail whole, its rows causal)
     bias: torch.Tensor | None
+    #: a prefill chunk's first staged tokens read from the sink area instead (a leading
+    #: window's sinks); decode batches mask them in ``bias``
+    staged_skip: int = 0
 
 
 EMPTY_INDEX = torch.empty(0, dtype=torch.long)
@@ -121,28 +125,40 @@ def _empty_write_plan() -> WritePlan:
 
 def make_read_plan(table: torch.Tensor, num_groups: torch.Tensor, tail_slot: list[int],
                    ctx_len: list[int], query_start: list[int], first_block: list[int], T: int,
-                   sink_tokens: int, window_slots: list[list[int]] | None = None) -> ReadPlan:
+                   sink_tokens: int, window_slots: list[list[int]] | None = None,
+                   lead_slots: list[list[int]] | None = None) -> ReadPlan:
     """A :class:`ReadPlan` from each request's packed groups (``table`` int64 [R, G_max] in
-    token order, valid up to ``num_groups[r]``), the slots of its residual window's groups
-    (read instead of the pages: they follow the packed groups), tail and context length;
-    adds the flat group list and the batched exact parts."""
+    token order, valid up to ``num_groups[r]``), the slots of its leading window's groups
+    (read instead of the pages: they precede the packed groups) and of its residual
+    window's groups (they follow them), tail and context length; adds the flat group list
+    and the batched exact parts. The sink positions come from the sink area once group 0
+    is complete: out of the packed groups (``skip_tokens``) or of the leading window
+    (its staged run then starts after them)."""
     window_slots = window_slots or [[] for _ in ctx_len]
+    lead_slots = lead_slots or [[] for _ in ctx_len]
     valid = torch.arange(table.shape[1]) < num_groups.unsqueeze(1)
     page_start = [0] + torch.cumsum(num_groups, 0).tolist()
-    skip = torch.clamp(num_groups * T, max=sink_tokens)
-    staged = [w + ([t] if c % T else []) for w, t, c in zip(window_slots, tail_slot, ctx_len)]
-    exact = plan_exact(query_start, ctx_len, skip.tolist(), staged, first_block, T)
-    return ReadPlan(table[valid], page_start, list(tail_slot), window_slots, list(ctx_len),
-                    list(query_start), list(first_block), table * valid, num_groups, skip,
-                    torch.tensor(query_start, dtype=torch.long), exact)
+    led = torch.tensor([bool(x) for x in lead_slots], dtype=torch.bool)
+    skip = torch.clamp(num_groups * T, max=sink_tokens).masked_fill(led, 0)
+    lead_skip = torch.zeros_like(skip).masked_fill(led, sink_tokens)  # group 0 staged: complete
+    staged = [a + w + ([t] if c % T else [])
+              for a, w, t, c in zip(lead_slots, window_slots, tail_slot, ctx_len)]
+    exact = plan_exact(query_start, ctx_len, (skip + lead_skip).tolist(), staged, first_block, T,
+                       lead_skip.tolist())
+    return ReadPlan(table[valid], page_start, list(tail_slot), window_slots, lead_slots,
+                    list(ctx_len), list(query_start), list(first_block), table * valid,
+                    num_groups, skip, torch.tensor(query_start, dtype=torch.long), exact)
 
 
 def plan_exact(q_start: list[int], ctx_len: list[int], skip: list[int], staged: list[list[int]],
-               first_block: list[int], T: int) -> list[ExactBatch]:
+               first_block: list[int], T: int, staged_skip: list[int] | None = None
+               ) -> list[ExactBatch]:
     """The exact parts of one step: all single-row (decode) requests in one batch, every
-    multi-row request (a prefill chunk) in its own. ``staged[r]``: the slots of request
-    r's staged run (window groups, then the partial group), the last ``len * T - (T -
-    ctx % T) % T`` tokens of its context."""
+    multi-row request (a prefill chunk) in its own. ``skip[r]``: sink positions request r
+    reads from the sink area; ``staged[r]``: the slots of its staged run (leading window
+    groups, residual window groups, then the partial group): ``len * T - (T - ctx % T) % T``
+    tokens of its context, the first ``staged_skip[r]`` of them left out (the sinks)."""
+    staged_skip = staged_skip or [0] * len(ctx_len)
     q_len = [q_start[r + 1] - q_start[r] for r in range(len(ctx_len))]
     batches = [[r for r, q in enumerate(q_len) if q == 1]]
     batches += [[r] for r, q in enumerate(q_len) if q > 1]
@@ -154,18 +170,21 @@ def plan_exact(q_start: list[int], ctx_len: list[int], skip: list[int], staged: 
         rows = torch.tensor([q_start[r] for r in reqs]).unsqueeze(1) + torch.arange(Q)
         sinks = torch.tensor([skip[r] for r in reqs])
         tails = torch.tensor([staged_tokens(staged[r], ctx_len[r], T) for r in reqs])
+        after = torch.tensor([staged_skip[r] for r in reqs])
         S, P = int(sinks.max()), int(tails.max())
         slots = torch.zeros(len(reqs), max(max(len(staged[r]) for r in reqs), 1), dtype=torch.long)
         for i, r in enumerate(reqs):
             slots[i, :len(staged[r])] = torch.tensor(staged[r], dtype=torch.long)
         bias = None
         if Q == 1:  # requests of other lengths share the batch: padding masked out
+            run = torch.arange(P)
             attend = torch.cat([torch.arange(S) < sinks.unsqueeze(1),
-                                torch.arange(P) < tails.unsqueeze(1),
+                                (run < tails.unsqueeze(1)) & (run >= after.unsqueeze(1)),
                                 torch.ones(len(reqs), 1, dtype=torch.bool)], dim=-1)
             bias = torch.zeros(attend.shape).masked_fill_(~attend, float("-inf"))[:, None, None]
         out.append(ExactBatch(
-            reqs, rows, torch.tensor([max(first_block[r], 0) for r in reqs]), S, slots, P, bias))
+            reqs, rows, torch.tensor([max(first_block[r], 0) for r in reqs]), S, slots, P, bias,
+            int(after[0]) if Q > 1 else 0))
     return out
 
 
@@ -179,8 +198,10 @@ class StagingAllocator:
     """Maps staged groups (gid) to staging slots; bookkeeping only, on the CPU.
 
     A slot holds one group of one sequence in the model dtype: its partial last
-    group, and (with ``window_groups = W > 0``) its last W complete groups, the
-    residual window, which that sequence reads instead of their pages. The pages are
+    group, (with ``window_groups = W > 0``) its last W complete groups, the
+    residual window, and (with ``lead_groups = A > 0``) its first A complete groups, the
+    leading window (attention sinks and a system prompt), which that sequence reads
+    instead of their pages. The pages are
     written as groups fill, whatever the window: a cached block is always valid
     packed bytes, so another sequence sharing it through the prefix cache reads the
     pages. A slot records its *owner* (the sequence that wrote it, a key the engine
@@ -188,11 +209,11 @@ class StagingAllocator:
     reads a window slot.
 
     A slot is taken when a group's first token is written; a complete group keeps
-    it while it is among its sequence's last W complete groups, and returns it in
-    the step that moves it out (or at once with W = 0); the engine returns the
-    slots of finished, aborted and preempted requests (:meth:`release_blocks`, by
-    owner: their blocks may already be another sequence's). So
-    ``W + 1`` slots per running sequence always suffice: a step returns the slots
+    it while it is among its sequence's first A or last W complete groups, and returns
+    it in the step that moves it out of the residual window (or at once); the engine
+    returns the slots of finished, aborted and preempted requests (:meth:`release_blocks`,
+    by owner: their blocks may already be another sequence's). So
+    ``A + W + 1`` slots per running sequence always suffice: a step returns the slots
     it moves out of windows before it hands out new ones. A group restarted at
     offset 0 whose gid still holds a slot (its block's previous owner ended
     unreported) reuses that slot: the new owner writes from offset 0 and reads only
@@ -201,12 +222,12 @@ class StagingAllocator:
     """
 
     def __init__(self, num_slots: int, group_tokens: int, sink_tokens: int = 0,
-                 window_groups: int = 0):
+                 window_groups: int = 0, lead_groups: int = 0):
         require(isinstance(num_slots, int) and num_slots >= 1, "num_slots", "an int >= 1", num_slots)
-        require(isinstance(window_groups, int) and window_groups >= 0, "window_groups",
-                "an int >= 0", window_groups)
+        for name, value in (("window_groups", window_groups), ("lead_groups", lead_groups)):
+            require(isinstance(value, int) and value >= 0, name, "an int >= 0", value)
         self.num_slots, self.T, self.sink_tokens = num_slots, group_tokens, sink_tokens
-        self.window_groups = window_groups
+        self.window_groups, self.lead_groups = window_groups, lead_groups
         self.slot_of: dict[int, int] = {}
         self.gid_of = [-1] * num_slots
         self.owner_of: list = [None] * num_slots
@@ -238,7 +259,7 @@ class StagingAllocator:
         if not self.free:
             raise RuntimeError(
                 f"lowbit-kv: staging pool exhausted ({self.num_slots} slots, "
-                f"{self.window_groups + 1} per running request): groups "
+                f"{self.lead_groups + self.window_groups + 1} per running request): groups "
                 f"{sorted(self.slot_of)[:8]}... hold them. More staged groups than that means "
                 "ended requests were not released; refusing to overwrite staged tokens")
         slot = self.free.pop()
@@ -272,8 +293,8 @@ class StagingAllocator:
         return freed
 
     def release_window(self, owner) -> int:
-        """Free ``owner``'s complete groups (its window; e.g. its pages were rewritten by
-        eviction). Its partial group keeps its slot."""
+        """Free ``owner``'s complete groups (its leading and residual windows; e.g. its
+        pages were rewritten by eviction). Its partial group keeps its slot."""
         done = [self.gid_of[s] for s in self.owned.get(owner, ()) if self.index_of[s] >= 0]
         for gid in done:
             self._release(gid)
@@ -309,10 +330,10 @@ class StagingAllocator:
                    groups_per_block: int, owners: list | None = None) -> ReadPlan:
         """The context of every request as stored *before* this step's writes: its
         complete groups from the pages, except its residual window (the last
-        ``window_groups`` complete groups it staged itself, read from their slots), and
-        its partial group from its staging slot. Call before :meth:`plan_writes` of the
-        same step."""
-        T, N, W = self.T, groups_per_block, self.window_groups
+        ``window_groups`` complete groups it staged itself, read from their slots) and its
+        leading window (the first ``lead_groups`` of them, likewise), and its partial
+        group from its staging slot. Call before :meth:`plan_writes` of the same step."""
+        T, N, W, A = self.T, groups_per_block, self.window_groups, self.lead_groups
         R = len(seq_lens)
         bt = block_table.to("cpu", torch.long)[:R]
         ctx_lens = [L - (query_start[r + 1] - query_start[r]) for r, L in enumerate(seq_lens)]
@@ -322,7 +343,7 @@ class StagingAllocator:
         col = torch.arange(max(n_enc, default=0) + 1)
         table = bt[:, (col // N).clamp(max=max(bt.shape[1] - 1, 0))] * N + col % N \
             if bt.shape[1] else torch.zeros(R, col.numel(), dtype=torch.long)
-        tail, window = [], []
+        tail, window, lead = [], [], []
         for r, ctx in enumerate(ctx_lens):
             slot = -1
             if ctx % T:
@@ -336,14 +357,31 @@ class StagingAllocator:
             tail.append(slot)
             mine = []  # the longest run of its own staged groups ending at its last complete one
             for j in range(n_enc[r] - 1, max(n_enc[r] - W, 0) - 1, -1):
-                s = self.slot_of.get(int(table[r, j]), -1)
-                if s < 0 or self.owner_of[s] != owners[r] or self.index_of[s] != j:
+                if not self._owns(int(table[r, j]), owners[r], j, lambda s: mine.insert(0, s)):
                     break
-                mine.insert(0, s)
             window.append(mine)
-        num_groups = torch.tensor([g - len(w) for g, w in zip(n_enc, window)], dtype=torch.long)
-        return make_read_plan(table[:, :-1], num_groups, tail, ctx_lens, query_start, first, T,
-                              self.sink_tokens, window)
+            first_groups = []  # the longest run of its own staged groups from group 0 on
+            for j in range(min(A, n_enc[r] - len(mine))):
+                if not self._owns(int(table[r, j]), owners[r], j, first_groups.append):
+                    break
+            lead.append(first_groups)
+        # each request's packed groups: its table row after the leading window
+        skip = torch.tensor([len(a) for a in lead], dtype=torch.long)
+        col = (torch.arange(table.shape[1]).unsqueeze(0) + skip.unsqueeze(1)).clamp(
+            max=table.shape[1] - 1)
+        num_groups = torch.tensor([g - len(w) - len(a) for g, w, a in zip(n_enc, window, lead)],
+                                  dtype=torch.long)
+        return make_read_plan(table.gather(1, col)[:, :-1], num_groups, tail, ctx_lens,
+                              query_start, first, T, self.sink_tokens, window, lead)
+
+    def _owns(self, gid: int, owner, index: int, take) -> bool:
+        """Whether ``owner`` staged group ``gid`` itself as its group ``index`` (then its slot
+        goes to ``take``)."""
+        s = self.slot_of.get(gid, -1)
+        if s < 0 or self.owner_of[s] != owner or self.index_of[s] != index:
+            return False
+        take(s)
+        return True
 
     def plan_writes(self, slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
                     req: torch.Tensor | None = None, first_block: torch.Tensor | None = None,
@@ -356,10 +394,10 @@ class StagingAllocator:
         ``owners`` and ``seq_lens`` (per request) for the residual window, and
         ``visual`` (per request, as in :meth:`plan_step`) for the visual-token mask.
         """
-        T, W = self.T, self.window_groups
-        windowed = W > 0 and positions is not None and req is not None
-        require(W == 0 or windowed, "plan_writes arguments",
-                "positions, req, owners and seq_lens with a residual window", None)
+        T, W, A = self.T, self.window_groups, self.lead_groups
+        windowed = W + A > 0 and positions is not None and req is not None
+        require(W + A == 0 or windowed, "plan_writes arguments",
+                "positions, req, owners and seq_lens with a leading or residual window", None)
         sm = slot_mapping.to("cpu", torch.long)
         tok = torch.nonzero(sm >= 0).flatten()
         if tok.numel() == 0:
@@ -384,13 +422,13 @@ class StagingAllocator:
             keep_from = [L // T - W for L in seq_lens]  # first group index still in the window
             for i in range(n):
                 index[i] = g_index[i]
-                keep[i] = keep[i] or index[i] >= keep_from[g_req[i]]
+                keep[i] = keep[i] or index[i] >= keep_from[g_req[i]] or index[i] < A
             # groups this step moves out of their owners' windows (read by this step, so the
             # slots are reused only by writes that follow the reads in every layer)
             touched = set(ug)
             for r in sorted(set(g_req)):
                 for s in list(self.owned.get(owners[r], ())):
-                    if 0 <= self.index_of[s] < keep_from[r] and self.gid_of[s] not in touched:
+                    if A <= self.index_of[s] < keep_from[r] and self.gid_of[s] not in touched:
                         self._release(self.gid_of[s])
 
         slot_for = [-1] * n  # staging slot of the groups kept staged
@@ -409,7 +447,7 @@ class StagingAllocator:
                     slot_for[i] = s
                     self._assign(s, ug[i], owner[i], index[i] if complete[i] else -1)
         # Completed groups leaving staging return their slots first (each layer encodes
-        # them from the slots before staging anything), so W + 1 slots per request suffice.
+        # them from the slots before staging anything), so A + W + 1 slots per request suffice.
         for i in range(n):
             if not keep[i]:
                 self._release(ug[i])

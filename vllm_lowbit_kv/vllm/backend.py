@@ -220,7 +220,8 @@ class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
                                   kv_cache_spec.block_size, vllm_config.model_config.dtype)
         self.alloc = StagingAllocator(staging_slots(vllm_config), self.layout.T,
                                       self.layout.sink_tokens,
-                                      scheme.residual_tokens // self.layout.T)
+                                      scheme.residual_tokens // self.layout.T,
+                                      scheme.leading_tokens // self.layout.T)
         from vllm.model_executor.models.utils import extract_layer_index
 
         # this group's layers share one page size (layers with retrieval heads have their own)
@@ -229,11 +230,11 @@ class LowBitKVMetadataBuilder(AttentionMetadataBuilder[LowBitKVMetadata]):
                              extract_layer_index(layer_names[0]))
         logger.info("lowbit-kv pages: %d bytes per block of %d tokens per layer (%.1f B/token, "
                     "%.3f bits/element); %d layers; staging: %d slots per layer (%d per "
-                    "--max-num-seqs: residual window of %d tokens and the partial group), "
-                    "%.1f MiB in all",
+                    "--max-num-seqs: leading window of %d tokens, residual window of %d "
+                    "tokens and the partial group), %.1f MiB in all",
                     pages.page_bytes, kv_cache_spec.block_size, pages.bytes_per_token,
                     pages.bits_per_element, len(layer_names), self.alloc.num_slots,
-                    scheme.staged_groups, scheme.residual_tokens,
+                    scheme.staged_groups, scheme.leading_tokens, scheme.residual_tokens,
                     staging_bytes(vllm_config) / 2**20)
         #: request id and visual token positions of each row of the next step (set by
         #: the runner hook)

@@ -192,7 +192,7 @@ def _budget_less_staging(original: Callable) -> Callable:
             fits = max(0, (budget - needed) * seqs // staged)
             mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
             raise ValueError(
-                f"lowbit-kv: staging (residual window and partial group, staging_dtype "
+                f"lowbit-kv: staging (windows and partial group, staging_dtype "
                 f"{resolve_scheme(cfg).staging_dtype}) "
                 f"for --max-num-seqs {seqs} sequences takes {mib(staged)} of the "
                 f"{mib(budget)} KV cache budget, leaving {mib(max(0, budget - staged))} of "
@@ -200,7 +200,7 @@ def _budget_less_staging(original: Callable) -> Callable:
                 f"{cfg.model_config.max_model_len} needs {mib(needed)} of them: lower "
                 f"--max-num-seqs (at most {fits} fit this budget), raise "
                 "VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes, or lower --max-model-len "
-                "or residual_tokens")
+                "or residual_tokens / leading_tokens")
         logger.info("lowbit-kv: KV cache budget %.1f MiB = %.1f MiB of pages + %.1f MiB of "
                     "staging", budget / 2**20, (budget - staged) / 2**20, staged / 2**20)
         return budget - staged

@@ -99,6 +99,7 @@ def scheme_config(vllm_config: Any) -> dict[str, Any]:
         name=str(cc.cache_dtype), summary=scheme.summary, key_codec=describe_codec(kc),
         value_codec=describe_codec(vc), block_tokens=scheme.block_tokens,
         sink_tokens=scheme.sink_tokens, residual_tokens=scheme.residual_tokens,
+        leading_tokens=scheme.leading_tokens,
         rotate=scheme.rotate, protect_first=scheme.protect_first,
         retrieval_heads=scheme.retrieval_heads, retrieval_scheme=scheme.retrieval_scheme,
         retrieval_keys_only=scheme.retrieval_keys_only,
