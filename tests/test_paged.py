@@ -354,17 +354,18 @@ def test_attention_mass_matches_hf_definition():
 VISUAL = [torch.arange(5, 61), torch.tensor([17, 18, 40]), None]
 
 
-@pytest.mark.parametrize("scheme,obs_window,visual", [
-    ("vidkv_stp", 8, None), ("vidkv_stp", 16, None), ("vidkv_stp", 8, VISUAL),
-    ("vidkv_visual", 8, VISUAL), ("vidkv_visual", 8, None)])
-def test_stp_pages_equal_hf_yardstick(scheme, obs_window, visual):
+@pytest.mark.parametrize("scheme,obs_window,visual,lead", [
+    ("vidkv_stp", 8, None, 0), ("vidkv_stp", 16, None, 0), ("vidkv_stp", 8, VISUAL, 0),
+    ("vidkv_visual", 8, VISUAL, 0), ("vidkv_visual", 8, None, 0), ("vidkv_stp", 8, None, 1)])
+def test_stp_pages_equal_hf_yardstick(scheme, obs_window, visual, lead):
     """STP through paged (three requests batched, chunked prefill, decode) gives the very
     bytes the transformers yardstick stores for each sequence alone, with and without
-    visual tokens marked; marked, a group protects visual tokens first (vidkv_stp), or
-    its text tokens first in the visual-only mode (vidkv_visual: K and V alike)."""
+    visual tokens marked (and with a leading window, which the relevance reads); marked,
+    a group protects visual tokens first (vidkv_stp), or its text tokens first in the
+    visual-only mode (vidkv_visual: K and V alike)."""
     torch.manual_seed(3)
-    T, slots = 16, 4
-    layout, pages, staging, alloc = make(scheme, T=T, slots=slots, q_heads=HQ)
+    T, slots = 16, 4 + 3 * lead
+    layout, pages, staging, alloc = make(scheme, T=T, slots=slots, q_heads=HQ, lead=lead)
     lens = [90, 41, 20]
     perm = torch.randperm(pages.shape[0])
     tables = [perm[i * 8:(i + 1) * 8] for i in range(3)]
@@ -384,7 +385,7 @@ def test_stp_pages_equal_hf_yardstick(scheme, obs_window, visual):
             is_visual[0, visual[r]] = True
             marks.mark(0, is_visual)
         hf = LowBitLayer(0, kc, vc, T, relevance="attention", obs_window=obs_window,
-                         visual=marks)
+                         visual=marks, leading_tokens=lead * T)
         pos = 0
         for step in schedule:
             n = min(step[r], lens[r] - pos)

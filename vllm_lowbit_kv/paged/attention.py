@@ -235,20 +235,17 @@ def context_keys(rplan: ReadPlan, r: int, layout: PagedLayout, pages: torch.Tens
     H, D, T = layout.H, layout.D, layout.T
     g, lead = int(rplan.num_groups[r]), rplan.lead_slots[r]
     parts = []
-    if lead:  # its sink positions from the sink area
+    if lead:
         parts.append(staging.k.read_run(torch.tensor(lead, device="cpu"), len(lead) * T))
-        s = layout.sink_tokens
-        if s:
-            parts[0][:s] = layout.read_sinks(pages, rplan.first_block[r], s)[0]
     if g:
         dk, _ = layout.decode(layout.read_states(pages, rplan.group_table[r, :g]))
-        dk = dk.reshape(g * T, H, D)
-        s = int(rplan.skip_tokens[r])
-        if s:
-            dk[:s] = layout.read_sinks(pages, rplan.first_block[r], s)[0]
-        parts.append(dk)
+        parts.append(dk.reshape(g * T, H, D))
     part = rplan.ctx_len[r] - (g + len(lead)) * T
     if part:
         slots = rplan.window_slots[r] + ([rplan.tail_slot[r]] if rplan.ctx_len[r] % T else [])
         parts.append(staging.k.read_run(torch.tensor(slots, device="cpu"), part))
+    # group 0 read from its page or the leading window: its sink positions from the sink area
+    s = int(rplan.skip_tokens[r]) or (layout.sink_tokens if lead else 0)
+    if s:
+        parts[0][:s] = layout.read_sinks(pages, rplan.first_block[r], s)[0]
     return torch.cat(parts) if parts else torch.empty(0, H, D, device=staging.k.device)

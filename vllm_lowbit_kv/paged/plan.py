@@ -357,13 +357,17 @@ class StagingAllocator:
             tail.append(slot)
             mine = []  # the longest run of its own staged groups ending at its last complete one
             for j in range(n_enc[r] - 1, max(n_enc[r] - W, 0) - 1, -1):
-                if not self._owns(int(table[r, j]), owners[r], j, lambda s: mine.insert(0, s)):
+                s = self._own_slot(int(table[r, j]), owners[r], j)
+                if s < 0:
                     break
+                mine.insert(0, s)
             window.append(mine)
             first_groups = []  # the longest run of its own staged groups from group 0 on
             for j in range(min(A, n_enc[r] - len(mine))):
-                if not self._owns(int(table[r, j]), owners[r], j, first_groups.append):
+                s = self._own_slot(int(table[r, j]), owners[r], j)
+                if s < 0:
                     break
+                first_groups.append(s)
             lead.append(first_groups)
         # each request's packed groups: its table row after the leading window
         skip = torch.tensor([len(a) for a in lead], dtype=torch.long)
@@ -374,14 +378,11 @@ class StagingAllocator:
         return make_read_plan(table.gather(1, col)[:, :-1], num_groups, tail, ctx_lens,
                               query_start, first, T, self.sink_tokens, window, lead)
 
-    def _owns(self, gid: int, owner, index: int, take) -> bool:
-        """Whether ``owner`` staged group ``gid`` itself as its group ``index`` (then its slot
-        goes to ``take``)."""
+    def _own_slot(self, gid: int, owner, index: int) -> int:
+        """The slot of group ``gid`` if ``owner`` staged it itself as its group ``index``,
+        else -1."""
         s = self.slot_of.get(gid, -1)
-        if s < 0 or self.owner_of[s] != owner or self.index_of[s] != index:
-            return False
-        take(s)
-        return True
+        return s if s >= 0 and self.owner_of[s] == owner and self.index_of[s] == index else -1
 
     def plan_writes(self, slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
                     req: torch.Tensor | None = None, first_block: torch.Tensor | None = None,
