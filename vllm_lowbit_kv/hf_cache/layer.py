@@ -87,7 +87,6 @@ class LowBitLayer(DynamicLayer):
         self.packed_k = self.packed_v = None  # uint8 [B, n_blocks, H, nbytes]
         self.window_k = self.window_v = None  # exact copies of the last window_groups blocks
         self.lead_k = self.lead_v = None  # staged copies of the first lead_groups blocks
-        self.lead_open = self.lead_groups > 0  # blocks 0.. still join the leading window
         self.q_obs: torch.Tensor | None = None  # float32 [B, Hq, w, D]
         self.q_first = 0
         self.q_scale = 1.0
@@ -322,7 +321,9 @@ class LowBitLayer(DynamicLayer):
                                            if x is not None], dim=-2)[:, :, -keep:].clone()
                 self.window_v = torch.cat([x for x in (self.window_v, kept_v[:, :, :m])
                                            if x is not None], dim=-2)[:, :, -keep:].clone()
-            lead = min(m, self.lead_groups * self.block_tokens - start) if self.lead_open else 0
+            # an evicted layer's later groups lie past the leading window (key_pos: evicted)
+            lead = min(m, self.lead_groups * self.block_tokens - start) \
+                if self.key_pos is None else 0
             if lead > 0:
                 self.lead_k = torch.cat([x for x in (self.lead_k, kept_k[:, :, :lead])
                                          if x is not None], dim=-2).clone()
@@ -359,12 +360,13 @@ class LowBitLayer(DynamicLayer):
             self.lazy_initialization(k[:, :, :0], v[:, :, :0])
             self.length = length
             self.q_obs, self.q_first, self.q_scale = queries
-            self.key_pos = kept  # before _store: relevance is causal by original position
+            # before _store: relevance is causal by original position, and the rewritten
+            # groups do not refill the leading window
+            self.key_pos = kept
+            self._store(k, v)
             # rewritten groups are read from their codes, as the vLLM backend does after
             # compacting (its window slots are released); later groups refill the residual
             # window, never the leading one (their positions are past it)
-            self.lead_open = False
-            self._store(k, v)
             self.window_k = self.window_v = None
         self.key_pos = kept
         self.exact_k, self.exact_v = [], []
