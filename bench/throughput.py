@@ -37,11 +37,14 @@ is what any format that prefills as fast as bfloat16 could reach. On a CPU,
 where prefill is compute-bound, this ceiling is what limits the output ratio.
 A shared machine's speed drifts by more than the differences between formats
 over the minutes between two servers, so ``--prefill-rounds N`` measures the
-prefill floor N times with the servers in turn (round 1 right after each
-dtype's rates, then every server started again per round):
-``prefill_only.seconds`` is then the median of ``rounds`` and
-``prefill_x_bf16`` the median of each round's ratio to bfloat16's in the same
-round. ``--rates none`` measures only the prefill floor.
+prefill floor N times: round 1 right after each dtype's rates, then rounds 2..N
+with every dtype's server started again and all of them up at once, each
+round measuring the dtypes one after another (each idle while another runs;
+the order rotated per round, so that none always follows the same one): a
+round's times are then seconds apart, not minutes. ``prefill_only.seconds``
+is the median of ``rounds`` and ``prefill_x_bf16`` the median of each round's
+ratio to bfloat16's in the same round. ``--rates none`` measures only the
+prefill floor.
 JSON (with the command) to ``--json``, a plot to ``--png``.
 """
 
@@ -223,23 +226,33 @@ def run_rate(server: Server, prompts: list[list[int]], output_tokens: int, rate:
     )
 
 
-def prefill_round(rows: list[dict], args, prompts, log=print) -> None:
-    """One more prefill-only measurement of every dtype that served, its server started
-    again, the dtypes in turn; a round that fails (a refused restart, an error) is kept as
-    None."""
-    for row in rows:
-        if row["status"] != "ok":
-            continue
-        server, seconds = dtype_server(row["dtype"], args), None
-        try:
-            server.start()
-            (seconds,) = prefill_floor(server, prompts, args.seed)["rounds"]
-        except ServerRefused as e:
-            log(f"{row['dtype']}: prefill round not measured: {e.reason}")
-        finally:
+def prefill_rounds(rows: list[dict], args, prompts, rounds: int, log=print,
+                   after_round=lambda n: None) -> None:
+    """Rounds 2.. of the prefill floor (module doc): every dtype that served started again,
+    all at once, then ``rounds`` rounds of one prefill-only measurement per dtype in turn;
+    a dtype whose restart is refused, or a failed measurement, is kept as None.
+    ``after_round(n)`` runs after round n (1-based: what the JSON has measured so far)."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    servers: dict[str, Server] = {}
+    try:
+        for row in ok:
+            server = dtype_server(row["dtype"], args)
+            try:
+                servers[row["dtype"]] = server.start()
+            except ServerRefused as e:
+                log(f"{row['dtype']}: prefill rounds not measured: {e.reason}")
+        for n in range(rounds):
+            for row in ok[n % len(ok):] + ok[:n % len(ok)]:
+                server, seconds = servers.get(row["dtype"]), None
+                if server is not None:
+                    (seconds,) = prefill_floor(server, prompts, args.seed)["rounds"]
+                row["prefill_only"]["rounds"].append(seconds)
+                log(f"{row['dtype']} prefill only, round {len(row['prefill_only']['rounds'])}: "
+                    f"{seconds} s")
+            after_round(n + 1)
+    finally:
+        for server in servers.values():
             server.stop()
-        row["prefill_only"]["rounds"].append(seconds)
-        log(f"{row['dtype']} prefill only, round {len(row['prefill_only']['rounds'])}: {seconds} s")
 
 
 # --------------------------------------------------------------------------- all dtypes
@@ -463,9 +476,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for d in dtypes:
         rows.append(measure_dtype(d, args, prompts, rates, log))
         write(complete=len(rows) == len(dtypes) and args.prefill_rounds == 1)
-    for n in range(2, args.prefill_rounds + 1):
-        prefill_round(rows, args, prompts, log)
-        write(complete=n == args.prefill_rounds)
+    if args.prefill_rounds > 1:
+        prefill_rounds(rows, args, prompts, args.prefill_rounds - 1, log,
+                       after_round=lambda n: write(complete=n == args.prefill_rounds - 1))
     print(format_table(result))
     return result
 

@@ -473,7 +473,6 @@ inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
 // words, half a multiple of 16 up to kMaxPairGroup / 2 (one A tile per 32 channels)
 inline void amx_distances(const uint32_t* w, int half, const uint32_t* pairs,
                           const float* norms, int C, float* approx) {
-  load_tile_config();
   const int a_tiles = half / 16;  // tiles 4.. hold w, 0-1 the sums, 2-3 the codes
   switch (a_tiles) {  // tile numbers are immediates
     case 4: _tile_loadd(7, w + 48, half * 4); [[fallthrough]];
@@ -656,6 +655,9 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
   int32_t* idx = s.indices.data();
   const bool tiles = b.amx_search();
   const int step = tiles ? kTileRows : kSearchRows;
+#if defined(LOWBIT_AMX)
+  if (tiles) load_tile_config();  // the thread's, and nothing else in this loop loads its own
+#endif
   for (int k = 0; k < K; ++k) {
     for (int i = 0; i < rows; i += step) {
       const int m = std::min(step, rows - i);
