@@ -271,9 +271,10 @@ def test_sinks_survive_prefix_caching():
 
 def test_prefill_groups_read_as_one_slice_match_the_gather():
     """A prefill chunk's completed groups are fresh rows back to back (WritePlan.enc_run):
-    encode_groups copies them as one slice, with the bytes of the general gather (staged
+    encode_groups reads them as one slice, with the bytes of the general gather (staged
     tokens, then the fresh ones by index), and its sink masking leaves the step's keys
-    alone; a step that completes a staged group takes the gather."""
+    alone; so does a chunk whose first group continues from staging (a chunk starting
+    mid-group: the staged rows, then one slice)."""
     torch.manual_seed(4)
     layout, pages, staging, alloc = make("vidkv", sinks=4)
     bs, T = layout.block_size, layout.T
@@ -289,10 +290,16 @@ def test_prefill_groups_read_as_one_slice_match_the_gather():
     encode_groups(dataclasses.replace(wp, enc_run=-1), layout, k, v, gathered, staging)
     assert torch.equal(pages, gathered) and bool(pages.any())
     stage_tokens(wp, k, v, staging)
-    k2, v2 = rnd(T, H, D).bfloat16(), rnd(T, H, D).bfloat16()  # completes the staged group
-    wp2, _ = alloc.plan_step(5 * bs + 5 + torch.arange(T), [n + T], [0, T],
+    # the next chunk completes the staged group (5 staged rows) and the one after it
+    k2, v2 = rnd(2 * T, H, D).bfloat16(), rnd(2 * T, H, D).bfloat16()
+    wp2, _ = alloc.plan_step(5 * bs + 5 + torch.arange(2 * T), [n + 2 * T], [0, 2 * T],
                              torch.tensor([[3, 4, 5]]), layout.groups_per_block)
-    assert wp2.enc_run == -1 and bool((wp2.enc_src_slot >= 0).any())
+    assert wp2.enc_run == 0 and wp2.enc_gids.numel() == 2
+    assert int(wp2.enc_src_slot[0]) >= 0 and wp2.enc_tok.numel() == 2 * T - 5
+    before, gathered = pages.clone(), pages.clone()
+    encode_groups(wp2, layout, k2, v2, pages, staging)
+    encode_groups(dataclasses.replace(wp2, enc_run=-1), layout, k2, v2, gathered, staging)
+    assert torch.equal(pages, gathered) and not torch.equal(pages, before)
 
 
 @pytest.mark.parametrize("scheme,sinks,obs_window", [("vidkv", 4, None), ("vidkv_stp", 0, 8)])

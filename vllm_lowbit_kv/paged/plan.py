@@ -38,8 +38,9 @@ class WritePlan:
     sink_pos: torch.Tensor
     # [E, T] bool: visual (image, video-frame) tokens of the completed groups; None: none
     enc_visual: torch.Tensor | None = None
-    # the completed groups' tokens are fresh rows [enc_run, enc_run + E T) in group order (a
-    # prefill chunk's groups), else -1
+    # the completed groups' fresh tokens are rows [enc_run, enc_run + n) of the step, filling
+    # the groups' last n of E T rows in order (a prefill chunk's groups; the first group's
+    # E T - n earlier rows, if any, from its staging slot), else -1
     enc_run: int = -1
 
     @property
@@ -108,15 +109,22 @@ def _visual_mask(visual: list[torch.Tensor | None] | None, enc_req: torch.Tensor
     return mask if bool(mask.any()) else None
 
 
-def _fresh_run(enc_tok: torch.Tensor, enc_dest: torch.Tensor, enc_src_slot: torch.Tensor) -> int:
-    """WritePlan.enc_run: the first fresh row when the completed groups are fresh rows back
-    to back (none continues from staging; token i fills row i of the groups), else -1."""
+def _fresh_run(enc_tok: torch.Tensor, enc_dest: torch.Tensor, enc_src_slot: torch.Tensor,
+               T: int) -> int:
+    """WritePlan.enc_run: the first fresh row when the completed groups' fresh tokens are
+    rows back to back filling the groups' last rows in order (only the first group may
+    continue from staging: token i fills row E T - n + i of the groups), else -1."""
     n = enc_tok.numel()
-    if n == 0 or bool((enc_src_slot >= 0).any()):
+    if n == 0 or bool((enc_src_slot[1:] >= 0).any()):
         return -1
     steps = torch.arange(n)
+    lead = int(enc_dest[0])  # the first group's rows before its first fresh token
+    if lead + n != enc_src_slot.numel() * T or lead >= T or \
+            (lead > 0) != bool(enc_src_slot[0] >= 0):
+        return -1
     first = int(enc_tok[0])
-    return first if torch.equal(enc_dest, steps) and torch.equal(enc_tok, steps + first) else -1
+    return first if torch.equal(enc_dest, steps + lead) and torch.equal(enc_tok, steps + first) \
+        else -1
 
 
 def _empty_write_plan() -> WritePlan:
@@ -498,5 +506,5 @@ class StagingAllocator:
             enc_req=enc_req, enc_start=enc_start, enc_sink=enc_sink,
             sink_tok=sink_tok, sink_block=sink_block, sink_pos=sink_pos,
             enc_visual=_visual_mask(visual, enc_req, enc_start, T),
-            enc_run=_fresh_run(enc_tok, enc_dest, enc_src_slot),
+            enc_run=_fresh_run(enc_tok, enc_dest, enc_src_slot, T),
         )

@@ -153,11 +153,19 @@ def _completed_groups(plan: WritePlan, T: int, x: torch.Tensor, staged: StagedTo
     """The completed groups' tokens of one of K, V [E, T, H, D], never ``x``'s memory where
     a sink row gets masked (in place): the earlier tokens from their staging slots, the
     fresh ones from ``x`` [tokens, H, D], in float32; a prefill chunk's groups (fresh rows
-    back to back) as a view of ``x``, in its dtype (a copy where they hold sinks)."""
+    back to back, :attr:`WritePlan.enc_run`) as a view of ``x``, in its dtype (a copy where
+    they hold sinks), or, where the first continues from staging, copied as two slices."""
     E, (H, D) = plan.enc_gids.numel(), x.shape[1:]
     if plan.enc_run >= 0:
-        groups = x[plan.enc_run:plan.enc_run + E * T].unflatten(0, (E, T))
-        return groups.clone() if bool((plan.enc_sink > 0).any()) else groups
+        lead = E * T - plan.enc_tok.numel()  # the first group's rows from its staging slot
+        fresh = x[plan.enc_run:plan.enc_run + E * T - lead]
+        if lead == 0:
+            groups = fresh.unflatten(0, (E, T))
+            return groups.clone() if bool((plan.enc_sink > 0).any()) else groups
+        groups = torch.empty(E * T, H, D, dtype=torch.float32, device=x.device)
+        groups[:lead] = staged.read_run(plan.enc_src_slot[:1, None], lead)[0]
+        groups[lead:] = fresh
+        return groups.unflatten(0, (E, T))
     groups = torch.zeros(E, T, H, D, dtype=torch.float32, device=x.device)
     has = plan.enc_src_slot >= 0
     if bool(has.any()):
