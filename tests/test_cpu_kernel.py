@@ -302,6 +302,15 @@ want_out, want_lse = dense_reference(q.bfloat16(), q[:, :2].bfloat16(), q[:, 2:]
                                      0.1, 0)
 torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
 torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=0)
+# a prefill chunk's packed context as dense rows (decode_groups: keys read from their codes)
+for i, (scheme, params) in enumerate(FORMATS):
+    layout = layout_for(scheme, params, H=2, T=32, block_size=64)
+    pages, table, _, _, _ = random_case(layout, [4], [1], 2, seed=i)
+    want = [x.reshape(-1, 2, 64) for x in layout.decode(layout.read_states(pages, table[0]))]
+    got = [torch.empty_like(x) for x in want]
+    cpu.decode_groups(pages, layout, table[0], 0, *got)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
 # decode rows' exact part read in place (int8 staging, sinks, a window) in this build
 from test_cpu_kernel import exact_decode_both_ways
 (got, want), ran = exact_decode_both_ways("vidkv", 4, 1)

@@ -1750,6 +1750,101 @@ Work& kept_work(const Format& f, int M) {
   return *kept.back().work;
 }
 
+// VidKV's A as the rows of key_rows' `columns`, each padded with zeros to round_up(n1)
+// floats (empty without the FFT)
+std::vector<float> key_map_columns(const Format& f) {
+  if (f.key[0] != KEY_VIDKV || !f.fft_map_t) return {};
+  const int n1 = int(f.key[VK_N1]), stride = round_up(n1);
+  std::vector<float> columns(size_t(n1) * stride, 0.f);
+  for (int j = 0; j < n1; ++j)
+    for (int c = 0; c < n1; ++c) columns[j * stride + c] = f.fft_map_t[c * n1 + j];
+  return columns;
+}
+
+// out[0, J L) = sum_j z_j columns[j] over the n1 components (z_j: hi_j where bit_j, else
+// lo_j; bit, lo, hi readable to J L floats), the J vectors of sums in registers
+template <int J>
+void map_components(const float* bit, const float* lo, const float* hi, int n1,
+                    const float* columns, float* out) {
+  float z[J * L];
+  for (int v = 0; v < J; ++v) {  // selected as vectors: the bits are random, branches miss
+    const vi set = loadf(bit + v * L) != vf{};
+    storef(z + v * L, set ? loadf(hi + v * L) : loadf(lo + v * L));
+  }
+  vf acc[J] = {};
+  for (int j = 0; j < n1; ++j) {
+    const vf zj = splat(z[j]);
+    for (int v = 0; v < J; ++v) acc[v] += zj * loadf(columns + j * J * L + v * L);
+  }
+  for (int v = 0; v < J; ++v) storef(out + v * L, acc[v]);
+}
+
+// Group st's keys as rows rows[t * D + c] = k_t[c] (t < T), read straight from the codes
+// where the format allows, for decode_groups (decode_tiles' unit vectors cost D query
+// vectors' scores per group): KIVI per channel, code * scale + zero; VidKV without STP, the
+// 2-bit channels likewise and the 1-bit components as their levels (lo or hi), mapped to
+// the normal channels by A where the format has the FFT: x_N = sum_j z_j a_j, a_j = column
+// j of A, given as the rows of `columns` [n1][n1] (fft_map_t transposed, key_map_columns).
+// False, nothing written, for the other formats. buf: any scratch (resized here).
+bool key_rows(const Format& f, const uint8_t* st, const float* columns, float* rows,
+              std::vector<float>& buf, Scratch& s) {
+  const int T = f.T, D = f.D;
+  const auto& d = f.key;
+  const auto codes = [&](int64_t at, int count, int bits, float* dst) {  // count codes
+    decode_codes(st + at, (int64_t(count) * bits + 7) / 8, count, bits, dst);
+  };
+  if (d[0] == KEY_KIVI_CHANNEL) {
+    buf.resize(size_t(T) * D + L + 2 * size_t(D));
+    float *x = buf.data(), *scale = x + size_t(T) * D + L, *zero = scale + D;
+    halves_to_float(st + d[KK_SCALE], D, scale);
+    halves_to_float(st + d[KK_ZERO], D, zero);
+    codes(d[KK_CODES], T * D, int(d[KK_BITS]), x);
+    for (int t = 0; t < T; ++t) {
+#pragma omp simd
+      for (int c = 0; c < D; ++c) rows[t * D + c] = x[t * D + c] * scale[c] + zero[c];
+    }
+    return true;
+  }
+  if (d[0] != KEY_VIDKV || d[VK_NP] != 0) return false;
+  const int n2 = int(d[VK_N2]), n1 = int(d[VK_N1]), J = round_up(n1) / L;
+  if (f.fft_map_t && J > 4) return false;  // wider than map_components runs below
+  buf.resize(size_t(T) * (n2 + n1) + 2 * L + 5 * size_t(D) + L);  // x: n2 + round_up(n1)
+  float *c2 = buf.data(), *c1 = c2 + size_t(T) * n2 + L, *scale2 = c1 + size_t(T) * n1 + L;
+  float *zero2 = scale2 + D, *lo = zero2 + D, *hi = lo + D, *x = hi + D;
+  halves_to_float(st + d[VK_SCALE2], n2, scale2);
+  halves_to_float(st + d[VK_ZERO2], n2, zero2);
+  halves_to_float(st + d[VK_HI1], n1, hi);
+  if (d[VK_SIGN])
+    for (int j = 0; j < n1; ++j) lo[j] = -hi[j];
+  else
+    halves_to_float(st + d[VK_LO1], n1, lo);
+  codes(d[VK_CODES2], T * n2, 2, c2);
+  codes(d[VK_CODES1], T * n1, 1, c1);
+  // x holds a token's 2-bit channels then its normal ones; source[c]: channel c's place
+  int* source = s.idx2.data();
+  const uint8_t* cmask = st + d[VK_CHAN_MASK];
+  for (int c = 0, a = 0, b = n2; c < D; ++c) source[c] = bit_at(cmask, c) ? a++ : b++;
+  for (int t = 0; t < T; ++t) {
+    const float *code2 = c2 + t * n2, *bit = c1 + t * n1;
+#pragma omp simd
+    for (int j = 0; j < n2; ++j) x[j] = code2[j] * scale2[j] + zero2[j];
+    float* normal = x + n2;
+    if (f.fft_map_t) {
+      switch (J) {
+        case 1: map_components<1>(bit, lo, hi, n1, columns, normal); break;
+        case 2: map_components<2>(bit, lo, hi, n1, columns, normal); break;
+        case 3: map_components<3>(bit, lo, hi, n1, columns, normal); break;
+        default: map_components<4>(bit, lo, hi, n1, columns, normal);
+      }
+    } else {
+#pragma omp simd
+      for (int j = 0; j < n1; ++j) normal[j] = bit[j] != 0.f ? hi[j] : lo[j];
+    }
+    for (int c = 0; c < D; ++c) rows[t * D + c] = x[source[c]];
+  }
+  return true;
+}
+
 // Group st decoded as tiles: wk.kt[c * TP + t] = k_t[c] and wk.vrows[t * D + c] = v_t[c]
 // (tokens in [T, TP) finite junk). The key codecs are linear in what the kernel folds into
 // them, so the folded paths decode too: the scores of the unit vectors e_c are the key
@@ -2097,7 +2192,8 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
 // the dense kernel (vllm_lowbit_kv/paged/attention.py): tokens [skip, G T) of the groups
 // gids (token order) -> rows [0, G T - skip) of key_out and value_out [rows, H, D] (float32,
 // bfloat16 or float16; unit stride in the last dim), in the pages' space (a rotating layout's
-// rows stay rotated). decode_tiles, so the same arithmetic as the tile path above.
+// rows stay rotated). Keys from their codes where key_rows reads the format, else as
+// decode_tiles decodes them (the tile path's arithmetic); values by value_rows.
 void decode_groups(const at::Tensor& pages, const at::Tensor& gids, int64_t skip,
                    at::IntArrayRef geometry, at::IntArrayRef key_desc,
                    at::IntArrayRef value_desc, const at::Tensor& fft_map,
@@ -2124,19 +2220,25 @@ void decode_groups(const at::Tensor& pages, const at::Tensor& gids, int64_t skip
                 num_gids, " groups");
   const uint8_t* base = pages.data_ptr<uint8_t>();
   const MutableView ko(key_out), vo(value_out);
+  const std::vector<float> columns = key_map_columns(f);
   at::parallel_for(0, G * H, 1, [&](int64_t begin, int64_t end) {
     Work wk(f, 1, 1, false);
-    float* key_rows = wk.s.x.data();  // free once the group is decoded
+    std::vector<float> key_buf(size_t(TP) * D), codes_buf;  // value_rows may use wk.s.x
+    float* keys = key_buf.data();
     for (int64_t k = begin; k < end; ++k) {
       const int64_t gi = k / H, h = k % H, gid = g[gi];
-      decode_tiles(f, base + (gid / f.N) * pages.stride(0) + h * pages.stride(1) + f.sink_bytes +
-                          (gid % f.N) * f.state_bytes,
-                   wk);
-      rows_to_columns([&](int c, int t) { return loadf(wk.kt + c * TP + t); }, int(D), int(D),
-                      int(TP), key_rows, D);
+      const uint8_t* st = base + (gid / f.N) * pages.stride(0) + h * pages.stride(1) +
+                          f.sink_bytes + (gid % f.N) * f.state_bytes;
+      if (key_rows(f, st, columns.data(), keys, codes_buf, wk.s)) {
+        value_rows(f, st + f.k_bytes, wk.vrows, wk.s);
+      } else {
+        decode_tiles(f, st, wk);
+        rows_to_columns([&](int c, int t) { return loadf(wk.kt + c * TP + t); }, int(D),
+                        int(D), int(TP), keys, D);
+      }
       for (int64_t t = std::max<int64_t>(skip - gi * T, 0); t < T; ++t) {
         const int64_t r = gi * T + t - skip;
-        narrow(key_rows + t * D, D, ko.dtype, ko.at(r, h));
+        narrow(keys + t * D, D, ko.dtype, ko.at(r, h));
         narrow(wk.vrows + t * D, D, vo.dtype, vo.at(r, h));
       }
     }
