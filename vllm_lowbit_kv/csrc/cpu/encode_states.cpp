@@ -470,7 +470,8 @@ inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
 #if defined(LOWBIT_AMX)
 // approx_distances of all C codes (a multiple of 32) for 16 rows as AMX tile multiplies
 // (TDPBF16PS: the same exact bf16 products and float32 sums, from the norms on): w [16][half]
-// words, half a multiple of 16 up to kMaxPairGroup / 2 (one A tile per 32 channels)
+// words, half a multiple of 16 up to kMaxPairGroup / 2 (one A tile per 32 channels). The
+// thread's tile configuration is loaded by the caller (rvq, once per group).
 inline void amx_distances(const uint32_t* w, int half, const uint32_t* pairs,
                           const float* norms, int C, float* approx) {
   const int a_tiles = half / 16;  // tiles 4.. hold w, 0-1 the sums, 2-3 the codes
