@@ -25,8 +25,9 @@
 // vectors (a prefill chunk) instead decodes each group into float tiles, through those
 // same folded paths for keys (unit queries give the key channels; values are decoded row
 // by row), and multiplies the tiles with all its query vectors (micro_gemm.h). The serving
-// path's bf16 prefill chunks instead take their groups as dense rows (decode_groups, the
-// same decode) into the dense kernel's one pass over context and own tokens.
+// path's bf16 prefill chunks instead take their groups as dense rows (decode_groups: keys
+// straight from their codes where it can, else that decode) into the dense kernel's one
+// pass over context and own tokens.
 //
 // The build is -march=native, so the ISA is the machine's. Key columns of low-bit codes
 // are read through lookup tables (T-MAC style): per query vector and per group of bits of
