@@ -1128,6 +1128,20 @@ void rvq_key_columns(const Format& f, const uint8_t* st, float* xt, Scratch& s) 
   rows_to_columns([&](int t, int c) { return loadf(x + int64_t(t) * D + c); }, T, TP, D, xt, TP);
 }
 
+// A VidKV key state's metadata as floats: the 2-bit channels' scale and zero [n2], the
+// 1-bit components' levels lo and hi [n1] (lo = -hi with sign levels)
+void vidkv_key_levels(const std::vector<int64_t>& d, const uint8_t* st, float* scale2,
+                      float* zero2, float* lo, float* hi) {
+  const int n2 = int(d[VK_N2]), n1 = int(d[VK_N1]);
+  halves_to_float(st + d[VK_SCALE2], n2, scale2);
+  halves_to_float(st + d[VK_ZERO2], n2, zero2);
+  halves_to_float(st + d[VK_HI1], n1, hi);
+  if (d[VK_SIGN])
+    for (int j = 0; j < n1; ++j) lo[j] = -hi[j];
+  else
+    halves_to_float(st + d[VK_LO1], n1, lo);
+}
+
 void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float* sc, Scratch& s) {
   const int T = f.T, D = f.D, TP = f.TP;
   const auto& d = f.key;
@@ -1182,13 +1196,7 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
   float* zero2 = scale2 + D;
   float* lo = zero2 + D;
   float* hi = lo + D;
-  halves_to_float(st + d[VK_SCALE2], n2, scale2);
-  halves_to_float(st + d[VK_ZERO2], n2, zero2);
-  halves_to_float(st + d[VK_HI1], n1, hi);
-  if (d[VK_SIGN])
-    for (int j = 0; j < n1; ++j) lo[j] = -hi[j];
-  else
-    halves_to_float(st + d[VK_LO1], n1, lo);
+  vidkv_key_levels(d, st, scale2, zero2, lo, hi);
   float* w2 = s.w.data();   // [M][n2]
   float* w1 = s.w1.data();  // [M][n1]
   float* qn = s.qn.data();  // [M][n1]: the normal channels, then A q_N in place
@@ -1812,13 +1820,7 @@ bool key_rows(const Format& f, const uint8_t* st, const float* columns, float* r
   buf.resize(size_t(T) * (n2 + n1) + 2 * L + 5 * size_t(D) + L);  // x: n2 + round_up(n1)
   float *c2 = buf.data(), *c1 = c2 + size_t(T) * n2 + L, *scale2 = c1 + size_t(T) * n1 + L;
   float *zero2 = scale2 + D, *lo = zero2 + D, *hi = lo + D, *x = hi + D;
-  halves_to_float(st + d[VK_SCALE2], n2, scale2);
-  halves_to_float(st + d[VK_ZERO2], n2, zero2);
-  halves_to_float(st + d[VK_HI1], n1, hi);
-  if (d[VK_SIGN])
-    for (int j = 0; j < n1; ++j) lo[j] = -hi[j];
-  else
-    halves_to_float(st + d[VK_LO1], n1, lo);
+  vidkv_key_levels(d, st, scale2, zero2, lo, hi);
   codes(d[VK_CODES2], T * n2, 2, c2);
   codes(d[VK_CODES1], T * n1, 1, c1);
   // x holds a token's 2-bit channels then its normal ones; source[c]: channel c's place
