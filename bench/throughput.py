@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", default="0.05,inf",
                    help="requests/s, comma-separated; inf = all at once; none: the prefill floor only")
     p.add_argument("--prefill-rounds", type=int, default=1,
-                   help="prefill-only rounds, the servers in turn (module doc: prefill floor)")
+                   help="prefill-only rounds; rounds 2.. with every server up at once, measured "
+                        "in turn (module doc: prefill floor)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="default: --requests (no more run at once; a packed scheme's staging, "
                         "sized for this many sequences, is paid from the KV budget)")
