@@ -1377,6 +1377,19 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
   accumulate(DenseRows<int8_t>{trits, D}, pos + np, n, p, M, D, TP, scale, nullptr, acc, s);
 }
 
+// rows [0, rows) of D b-bit codes (back to back) -> x[pos[i] * D + c] = code * scale[c] +
+// zero[c] (s.x: scratch)
+void affine_rows(const uint8_t* codes, int bits, const float* scale, const float* zero,
+                 const int* pos, int rows, int D, float* x, Scratch& s) {
+  float* c = s.x.data();
+  decode_codes(codes, code_bytes(int64_t(rows) * D, bits), int64_t(rows) * D, bits, c);
+  for (int i = 0; i < rows; ++i) {
+    float* xr = x + size_t(pos[i]) * D;
+#pragma omp simd
+    for (int j = 0; j < D; ++j) xr[j] = c[i * D + j] * scale[j] + zero[j];
+  }
+}
+
 // Group sv's values as rows x[t * D + c] = v_t[c] (rows [T, TP) zero), each format's
 // arithmetic written out: the tile path's one-hot probabilities through accumulate_values
 // would cost T times a row's work per row.
@@ -1386,16 +1399,6 @@ void value_rows(const Format& f, const uint8_t* sv, float* x, Scratch& s) {
   std::fill(x + size_t(T) * D, x + size_t(TP) * D, 0.f);
   float* scale = s.meta.data();
   float* zero = scale + D;
-  // rows of b-bit codes at positions pos[0, rows) -> code * scale[c] + zero[c]
-  auto affine_rows = [&](const uint8_t* codes, int bits, const int* pos, int rows) {
-    float* c = s.x.data();
-    decode_codes(codes, code_bytes(int64_t(rows) * D, bits), int64_t(rows) * D, bits, c);
-    for (int i = 0; i < rows; ++i) {
-      float* xr = x + size_t(pos[i]) * D;
-#pragma omp simd
-      for (int j = 0; j < D; ++j) xr[j] = c[i * D + j] * scale[j] + zero[j];
-    }
-  };
   int* pos = s.vpos.data();
   if (d[0] == VAL_RVQ) {
     rvq_decode(sv, d, f.val_books, T, D, x, s);
@@ -1410,14 +1413,14 @@ void value_rows(const Format& f, const uint8_t* sv, float* x, Scratch& s) {
     halves_to_float(sv + d[KC_SCALE], D, scale);
     halves_to_float(sv + d[KC_ZERO], D, zero);
     stp_positions(nullptr, T, 0, pos);
-    affine_rows(sv + d[KC_CODES], int(d[KC_BITS]), pos, T);
+    affine_rows(sv + d[KC_CODES], int(d[KC_BITS]), scale, zero, pos, T, D, x, s);
   } else {  // ternary (+ STP): protected rows 2-bit per channel, the rest alpha_c * trit
     const int np = int(d[TV_NP]), n = T - np;
     stp_positions(np ? sv + d[TV_TOK_MASK] : nullptr, T, np, pos);
     if (np) {
       halves_to_float(sv + d[TV_PROT_SCALE], D, scale);
       halves_to_float(sv + d[TV_PROT_ZERO], D, zero);
-      affine_rows(sv + d[TV_PROT_CODES], 2, pos, np);
+      affine_rows(sv + d[TV_PROT_CODES], 2, scale, zero, pos, np, D, x, s);
     }
     halves_to_float(sv + d[TV_ALPHA], D, scale);
     int8_t* trits = reinterpret_cast<int8_t*>(s.x.data());
@@ -1794,36 +1797,30 @@ void map_components(const float* bit, const float* lo, const float* hi, int n1,
 // 2-bit channels likewise and the 1-bit components as their levels (lo or hi), mapped to
 // the normal channels by A where the format has the FFT: x_N = sum_j z_j a_j, a_j = column
 // j of A, given as the rows of `columns` [n1][n1] (fft_map_t transposed, key_map_columns).
-// False, nothing written, for the other formats. buf: any scratch (resized here).
+// False, nothing written, for the other formats. rows: not s's memory (s: scratch).
 bool key_rows(const Format& f, const uint8_t* st, const float* columns, float* rows,
-              std::vector<float>& buf, Scratch& s) {
+              Scratch& s) {
   const int T = f.T, D = f.D;
   const auto& d = f.key;
-  const auto codes = [&](int64_t at, int count, int bits, float* dst) {  // count codes
-    decode_codes(st + at, (int64_t(count) * bits + 7) / 8, count, bits, dst);
-  };
+  float *scale = s.meta.data(), *zero = scale + D;
   if (d[0] == KEY_KIVI_CHANNEL) {
-    buf.resize(size_t(T) * D + L + 2 * size_t(D));
-    float *x = buf.data(), *scale = x + size_t(T) * D + L, *zero = scale + D;
     halves_to_float(st + d[KK_SCALE], D, scale);
     halves_to_float(st + d[KK_ZERO], D, zero);
-    codes(d[KK_CODES], T * D, int(d[KK_BITS]), x);
-    for (int t = 0; t < T; ++t) {
-#pragma omp simd
-      for (int c = 0; c < D; ++c) rows[t * D + c] = x[t * D + c] * scale[c] + zero[c];
-    }
+    stp_positions(nullptr, T, 0, s.kpos.data());
+    affine_rows(st + d[KK_CODES], int(d[KK_BITS]), scale, zero, s.kpos.data(), T, D, rows, s);
     return true;
   }
   if (d[0] != KEY_VIDKV || d[VK_NP] != 0) return false;
   const int n2 = int(d[VK_N2]), n1 = int(d[VK_N1]), J = round_up(n1) / L;
   if (f.fft_map_t && J > 4) return false;  // wider than map_components runs below
-  buf.resize(size_t(T) * (n2 + n1) + 2 * L + 5 * size_t(D) + L);  // x: n2 + round_up(n1)
-  float *c2 = buf.data(), *c1 = c2 + size_t(T) * n2 + L, *scale2 = c1 + size_t(T) * n1 + L;
-  float *zero2 = scale2 + D, *lo = zero2 + D, *hi = lo + D, *x = hi + D;
+  // the codes in s.x (T D + 2 L floats hold both streams), the levels in s.meta, a
+  // token's 2-bit channels then its normal ones in s.w (D + L floats)
+  float *c2 = s.x.data(), *c1 = c2 + size_t(T) * n2 + L, *x = s.w.data();
+  float *scale2 = scale, *zero2 = zero, *lo = zero + D, *hi = lo + D;
   vidkv_key_levels(d, st, scale2, zero2, lo, hi);
-  codes(d[VK_CODES2], T * n2, 2, c2);
-  codes(d[VK_CODES1], T * n1, 1, c1);
-  // x holds a token's 2-bit channels then its normal ones; source[c]: channel c's place
+  decode_codes(st + d[VK_CODES2], code_bytes(int64_t(T) * n2, 2), int64_t(T) * n2, 2, c2);
+  decode_codes(st + d[VK_CODES1], code_bytes(int64_t(T) * n1, 1), int64_t(T) * n1, 1, c1);
+  // source[c]: channel c's place in x
   int* source = s.idx2.data();
   const uint8_t* cmask = st + d[VK_CHAN_MASK];
   for (int c = 0, a = 0, b = n2; c < D; ++c) source[c] = bit_at(cmask, c) ? a++ : b++;
@@ -2226,13 +2223,13 @@ void decode_groups(const at::Tensor& pages, const at::Tensor& gids, int64_t skip
   const std::vector<float> columns = key_map_columns(f);
   at::parallel_for(0, G * H, 1, [&](int64_t begin, int64_t end) {
     Work wk(f, 1, 1, false);
-    std::vector<float> key_buf(size_t(TP) * D), codes_buf;  // value_rows may use wk.s.x
+    std::vector<float> key_buf(size_t(TP) * D);  // key_rows and value_rows use wk.s.x
     float* keys = key_buf.data();
     for (int64_t k = begin; k < end; ++k) {
       const int64_t gi = k / H, h = k % H, gid = g[gi];
       const uint8_t* st = base + (gid / f.N) * pages.stride(0) + h * pages.stride(1) +
                           f.sink_bytes + (gid % f.N) * f.state_bytes;
-      if (key_rows(f, st, columns.data(), keys, codes_buf, wk.s)) {
+      if (key_rows(f, st, columns.data(), keys, wk.s)) {
         value_rows(f, st + f.k_bytes, wk.vrows, wk.s);
       } else {
         decode_tiles(f, st, wk);
