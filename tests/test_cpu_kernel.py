@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_lowbit_kv.ops import (packed_attention_reference, select_implementation,
+from vllm_lowbit_kv.ops import (merge_attention, packed_attention_reference, select_implementation,
                                 unsupported_reason)
 from vllm_lowbit_kv.ops import cpu
 from vllm_lowbit_kv.paged import PagedLayout
@@ -579,6 +579,30 @@ def test_page_state_writes_equal_the_pytorch_ones():
         assert torch.equal(pages, want)
     with pytest.raises(RuntimeError, match="gids"):
         cpu.write_states(fmt, pages, torch.tensor([5 * fmt.groups_per_block]), states[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_merge_into_the_output_equals_the_pytorch_merge(dtype):
+    """cpu.merge_attention_into writes merge_attention's output into a view of the layer's
+    output in its dtype: float32 up to rounding, else that rounded to the dtype (within
+    one unit in its last place); rows where either part, or both, has no keys (lse -inf)
+    included, nothing outside the view touched."""
+    g = torch.Generator().manual_seed(11)
+    n, Hq, D = 7, 9, 64
+    out_a, out_b = (torch.randn(n, Hq, D, generator=g) for _ in range(2))
+    lse_a, lse_b = (torch.randn(n, Hq, generator=g) * 4 for _ in range(2))
+    lse_a[1], lse_b[2] = float("-inf"), float("-inf")
+    lse_a[3, :4] = lse_b[3, :4] = float("-inf")
+    lse_b[4] = lse_a[4] + 30  # one part all but absent
+    output = torch.full((n + 2, Hq * D), 7.0, dtype=dtype)
+    dst = output[:n].view(n, Hq, D)
+    assert cpu.merge_attention_into(out_a, lse_a, out_b, lse_b, dst)
+    want = merge_attention(out_a, lse_a, out_b, lse_b)[0]
+    assert not want[3, :4].any()
+    ulp = 0 if dtype == torch.float32 else torch.finfo(dtype).eps
+    torch.testing.assert_close(dst.float(), want.to(dtype).float(), atol=1e-6,
+                               rtol=max(ulp, 1e-6))
+    assert bool((output[n:] == 7).all())
 
 
 # ----------------------------------------------------------------------- dense bf16 prefill

@@ -163,7 +163,17 @@ def select_implementation(page: PageFormat | PageGeometry, device: torch.device 
                      + "; ".join(skipped))
 
 
+def merge_attention_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                         lse_b: torch.Tensor, dst: torch.Tensor) -> None:
+    """:func:`merge_attention`'s output written into ``dst`` in its dtype: by the C++
+    kernel in one pass where it runs (:func:`.cpu.merge_attention_into`), else merged and
+    copied."""
+    if not cpu.merge_attention_into(out_a, lse_a, out_b, lse_b, dst):
+        dst.copy_(merge_attention(out_a, lse_a, out_b, lse_b)[0])
+
+
 __all__ = ["AUTO_ORDER", "CHOICES", "ENV_VAR", "IMPLEMENTATIONS", "KernelImplementation",
-           "PageFormat", "implementation", "merge_attention", "packed_attention_reference",
+           "PageFormat", "implementation", "merge_attention", "merge_attention_into",
+           "packed_attention_reference",
            "page_format", "requested_implementation", "select_implementation",
            "unsupported_reason"]

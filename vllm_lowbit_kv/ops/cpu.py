@@ -73,7 +73,10 @@ ENCODE_SOURCE = SOURCE.with_name("encode_states.cpp")
 EXACT_DECODE_SOURCE = SOURCE.with_name("exact_decode.cpp")
 #: the copies of a step's writes (:func:`stage_rows`, :func:`write_states`)
 STAGING_SOURCE = SOURCE.with_name("staging.cpp")
-SOURCES = (SOURCE, DENSE_SOURCE, ENCODE_SOURCE, EXACT_DECODE_SOURCE, STAGING_SOURCE)
+#: the packed and exact parts merged into the layer's output (:func:`merge_attention_into`)
+MERGE_SOURCE = SOURCE.with_name("merge.cpp")
+SOURCES = (SOURCE, DENSE_SOURCE, ENCODE_SOURCE, EXACT_DECODE_SOURCE, STAGING_SOURCE,
+           MERGE_SOURCE)
 #: what the sources include (part of the build folder's hash, as the sources are)
 HEADERS = tuple(SOURCE.with_name(h) for h in ("vectors.h", "micro_gemm.h", "amx.h", "descriptors.h",
                                               "dtypes.h"))
@@ -398,6 +401,18 @@ def exact_decode_attention(query: torch.Tensor, rows: torch.Tensor, bias: torch.
         staged_k.data, none if staged_k.scale is None else staged_k.scale,
         staged_v.data, none if staged_v.scale is None else staged_v.scale, _int64(tail_slots),
         key, value, float(scale), out, lse)
+    return True
+
+
+def merge_attention_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                         lse_b: torch.Tensor, dst: torch.Tensor) -> bool:
+    """:func:`~.reference.merge_attention` of the two parts written into ``dst`` [n, Hq, D]
+    (a float dtype, unit stride in the last dim) in its dtype (``csrc/cpu/merge.cpp``). True
+    where it ran; False where it does not run (another device, the library not loaded: this
+    never builds it)."""
+    if not _built or dst.device.type != "cpu":
+        return False
+    torch.ops.lowbit_kv.merge_attention_into(out_a, lse_a, out_b, lse_b, dst)
     return True
 
 

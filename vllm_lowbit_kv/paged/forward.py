@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..codecs.base import require
-from ..ops import merge_attention, packed_attention_reference
+from ..ops import merge_attention_into, packed_attention_reference
 from ..retrieval_heads import query_heads
 from .attention import attention_mass, context_keys, exact_attention, reads_packed_dense
 from .layout import HeadSplitLayout, PagedLayout
@@ -52,8 +52,9 @@ def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query:
             p_out, p_lse = packed_part(packed_attention or packed_attention_reference, layout,
                                        query[:n], rplan.q_start_t, pages, rplan.group_table,
                                        num_groups, rplan.skip_tokens, scale)
-            res, _ = merge_attention(p_out, p_lse, res, res_lse)
-        out[:n].copy_(res)
+            merge_attention_into(p_out, p_lse, res, res_lse, out[:n])
+        else:
+            out[:n].copy_(res)
     stage_tokens(wplan, key, value, staging, query)
 
 
