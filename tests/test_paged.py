@@ -688,11 +688,13 @@ def test_protected_visual_counts_the_rows_stp_gives_visual_tokens(first):
     assert 0 < int(want.sum()) < int(visual.sum())
 
 
+@pytest.mark.parametrize("heads", [[(0, 2), (1,)], [(0, 1), (2,)]], ids=["gap", "ranges"])
 @pytest.mark.parametrize("keys_only,sinks,window", [(False, 3, 1), (True, 0, 0), (False, 0, 2)])
-def test_head_split_layer_matches_per_head_reference(keys_only, sinks, window):
-    """Retrieval heads: a layer whose KV heads 0 and 2 are coded by vidkv and head 1 by
-    kivi4 (keys only: kivi4 keys, vidkv values) reads, per query head, what a whole layer
-    of its part's codecs reads; the split page holds both parts' bytes."""
+def test_head_split_layer_matches_per_head_reference(keys_only, sinks, window, heads):
+    """Retrieval heads: a layer whose KV heads 0 and 2 (or 0 and 1: both parts one range of
+    heads, read and written as views) are coded by vidkv and the other by kivi4 (keys only:
+    kivi4 keys, vidkv values) reads, per query head, what a whole layer of its part's
+    codecs reads; the split page holds both parts' bytes."""
     from vllm_lowbit_kv.paged import HeadSplitLayout, forward_split_layer
     torch.manual_seed(1)
     T, bs = 16, 32
@@ -701,7 +703,6 @@ def test_head_split_layer_matches_per_head_reference(keys_only, sinks, window):
     pairs = [s.codecs(D, T), s.retrieval_codecs(D, T)]
     assert [type(c).__name__ for c in pairs[1]] == \
         ["KiviCodec", "TernaryValueCodec" if keys_only else "KiviCodec"]
-    heads = [(0, 2), (1,)]
     split = HeadSplitLayout([PagedLayout(kc, vc, len(h), bs, sinks) for (kc, vc), h
                              in zip(pairs, heads)], heads)
     whole = [PagedLayout(kc, vc, H, bs, sinks) for kc, vc in pairs]

@@ -79,20 +79,33 @@ def forward_split_layer(wplan: WritePlan, rplan: ReadPlan, split: HeadSplitLayou
     (retrieval heads): each part runs as a layer of its own over its KV heads, their query
     heads (GQA) and its bytes of the page; part i stages its KV heads in staging heads
     ``[sum of the earlier parts' H, + H_i)`` (and its query heads likewise, for STP).
-    ``packed_attention[i]`` reads part i."""
+    ``packed_attention[i]`` reads part i. A part whose heads are one range reads and
+    writes views of the layer's tensors; the others copies of their heads."""
     n = rplan.q_start[-1]
     group = query.shape[1] // split.H
     lo = 0
     for i, (part, heads, part_pages) in enumerate(zip(split.parts, split.heads,
                                                         split.part_pages(pages))):
-        kv = torch.tensor(heads, device=query.device)
-        q_heads = query_heads(kv, group)
-        part_out = torch.empty(n, q_heads.numel(), split.D, dtype=out.dtype, device=out.device)
+        first, count = heads[0], len(heads)
+        one_range = tuple(heads) == tuple(range(first, first + count))
+        if one_range:  # views of the layer's tensors, no copies
+            q_heads = slice(first * group, (first + count) * group)
+            kv = slice(first, first + count)
+            part_q, part_k, part_v = query[:, q_heads], key[:, kv], value[:, kv]
+            part_out = out[:, q_heads]
+        else:
+            kv = torch.tensor(heads, device=query.device)
+            q_heads = query_heads(kv, group)
+            part_q, part_k, part_v = (query.index_select(1, q_heads), key.index_select(1, kv),
+                                      value.index_select(1, kv))
+            part_out = torch.empty(n, q_heads.numel(), split.D, dtype=out.dtype,
+                                   device=out.device)
         part_staging = staging.heads(lo, lo + part.H, group)
-        forward_layer(wplan, rplan, part, query.index_select(1, q_heads), key.index_select(1, kv),
-                      value.index_select(1, kv), part_pages, part_staging, scale, part_out,
-                      obs_window, None if packed_attention is None else packed_attention[i])
-        out[:n, q_heads] = part_out
+        forward_layer(wplan, rplan, part, part_q, part_k, part_v, part_pages, part_staging,
+                      scale, part_out, obs_window,
+                      None if packed_attention is None else packed_attention[i])
+        if not one_range:
+            out[:n, q_heads] = part_out
         lo += part.H
 
 
