@@ -302,9 +302,10 @@ want_out, want_lse = dense_reference(q.bfloat16(), q[:, :2].bfloat16(), q[:, 2:]
                                      0.1, 0)
 torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
 torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=0)
-# a prefill chunk's packed context as dense rows (decode_groups: keys read from their codes)
+# a prefill chunk's packed context as dense rows (decode_groups: keys read from their codes;
+# 30 tokens: not a whole number of VidKV keys' token blocks)
 for i, (scheme, params) in enumerate(FORMATS):
-    layout = layout_for(scheme, params, H=2, T=32, block_size=64)
+    layout = layout_for(scheme, params, H=2, T=30, block_size=60)
     pages, table, _, _, _ = random_case(layout, [4], [1], 2, seed=i)
     want = [x.reshape(-1, 2, 64) for x in layout.decode(layout.read_states(pages, table[0]))]
     got = [torch.empty_like(x) for x in want]
@@ -751,14 +752,17 @@ def test_prefill_tile_path_matches_reference(scheme, params, dtype, rvq_codebook
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scheme,params", FORMATS + [(s, None) for s in RVQ_SCHEMES],
                          ids=lambda x: str(x))
-def test_decode_groups_matches_reference(scheme, params, dtype, rvq_codebook_file):
+@pytest.mark.parametrize("T", [32, 30])
+def test_decode_groups_matches_reference(scheme, params, dtype, T, rvq_codebook_file):
     """A prefill chunk's packed context as dense rows (ops.cpu.decode_groups): every page
     format's tokens [skip, G T) equal the codecs' decode (float32 within summation order;
     bf16 and fp16 as its rounding), written into slices of poisoned larger buffers with
-    nothing around them touched; skips inside the first group and past it."""
+    nothing around them touched; skips inside the first group and past it. T = 30: groups
+    whose tokens are not a whole number of the kernel's token blocks (VidKV keys map 4 at
+    a time)."""
     if params is None:
         params = {"codebook": str(rvq_codebook_file(scheme))}
-    layout = layout_for(scheme, params, H=2, T=32, block_size=64)
+    layout = layout_for(scheme, params, H=2, T=T, block_size=2 * T)
     pages, table, _, _, _ = random_case(layout, [5], [1], 2,
                                         zlib.crc32(f"rows{scheme}{params}".encode()))
     gids = table[0]

@@ -1773,22 +1773,55 @@ std::vector<float> key_map_columns(const Format& f) {
   return columns;
 }
 
-// out[0, J L) = sum_j z_j columns[j] over the n1 components (z_j: hi_j where bit_j, else
-// lo_j; bit, lo, hi readable to J L floats), the J vectors of sums in registers
-template <int J>
-void map_components(const float* bit, const float* lo, const float* hi, int n1,
-                    const float* columns, float* out) {
-  float z[J * L];
-  for (int v = 0; v < J; ++v) {  // selected as vectors: the bits are random, branches miss
-    const vi set = loadf(bit + v * L) != vf{};
-    storef(z + v * L, set ? loadf(hi + v * L) : loadf(lo + v * L));
-  }
-  vf acc[J] = {};
+// For NT tokens u: out[u][0, n1) = sum_j z_uj columns[j] over the n1 components (z_uj:
+// hi_j where bit[u][j], else lo_j; bits, lo, hi readable to J L floats), the NT J vectors of
+// sums in registers: NT tokens share each column's loads, and their sums are independent
+// chains of multiply-adds (one token alone waits on one chain per vector)
+template <int J, int NT>
+void map_components(const float* const* bit, const float* lo, const float* hi, int n1,
+                    const float* columns, float* const* out) {
+  float z[NT][J * L];
+  for (int u = 0; u < NT; ++u)
+    for (int v = 0; v < J; ++v) {  // selected as vectors: the bits are random, branches miss
+      const vi set = loadf(bit[u] + v * L) != vf{};
+      storef(z[u] + v * L, set ? loadf(hi + v * L) : loadf(lo + v * L));
+    }
+  vf acc[NT][J] = {};
   for (int j = 0; j < n1; ++j) {
-    const vf zj = splat(z[j]);
-    for (int v = 0; v < J; ++v) acc[v] += zj * loadf(columns + j * J * L + v * L);
+    vf col[J];
+    for (int v = 0; v < J; ++v) col[v] = loadf(columns + j * J * L + v * L);
+    for (int u = 0; u < NT; ++u) {
+      const vf zj = splat(z[u][j]);
+      for (int v = 0; v < J; ++v) acc[u][v] += zj * col[v];
+    }
   }
-  for (int v = 0; v < J; ++v) storef(out + v * L, acc[v]);
+  for (int u = 0; u < NT; ++u) {
+    for (int v = 0; v + 1 < J; ++v) storef(out[u] + v * L, acc[u][v]);
+    storef_first(out[u] + (J - 1) * L, acc[u][J - 1], n1 - (J - 1) * L);
+  }
+}
+
+// map_components of tokens [0, T) of the 1-bit stream c1 (n1 per token), token t's sums to
+// rows + t * D + n2, NT tokens at a time
+template <int J>
+void map_rows(const float* c1, int T, int n1, const float* lo, const float* hi,
+              const float* columns, float* rows, int D, int n2) {
+  constexpr int NT = L == 16 ? 4 : 2;  // AVX2's 16 registers: NT J sums, J columns
+  int t = 0;
+  for (; t + NT <= T; t += NT) {
+    const float* bit[NT];
+    float* out[NT];
+    for (int u = 0; u < NT; ++u) {
+      bit[u] = c1 + (t + u) * n1;
+      out[u] = rows + (t + u) * D + n2;
+    }
+    map_components<J, NT>(bit, lo, hi, n1, columns, out);
+  }
+  for (; t < T; ++t) {
+    const float* bit = c1 + t * n1;
+    float* out = rows + t * D + n2;
+    map_components<J, 1>(&bit, lo, hi, n1, columns, &out);
+  }
 }
 
 // Group st's keys as rows rows[t * D + c] = k_t[c] (t < T), read straight from the codes
@@ -1813,35 +1846,63 @@ bool key_rows(const Format& f, const uint8_t* st, const float* columns, float* r
   if (d[0] != KEY_VIDKV || d[VK_NP] != 0) return false;
   const int n2 = int(d[VK_N2]), n1 = int(d[VK_N1]), J = round_up(n1) / L;
   if (f.fft_map_t && J > 4) return false;  // wider than map_components runs below
-  // the codes in s.x (T D + 2 L floats hold both streams), the levels in s.meta, a
-  // token's 2-bit channels then its normal ones in s.w (D + L floats)
-  float *c2 = s.x.data(), *c1 = c2 + size_t(T) * n2 + L, *x = s.w.data();
+  // the codes in s.x (T D + 2 L floats hold both streams), the levels in s.meta
+  float *c2 = s.x.data(), *c1 = c2 + size_t(T) * n2 + L;
   float *scale2 = scale, *zero2 = zero, *lo = zero + D, *hi = lo + D;
   vidkv_key_levels(d, st, scale2, zero2, lo, hi);
   decode_codes(st + d[VK_CODES2], code_bytes(int64_t(T) * n2, 2), int64_t(T) * n2, 2, c2);
   decode_codes(st + d[VK_CODES1], code_bytes(int64_t(T) * n1, 1), int64_t(T) * n1, 1, c1);
-  // source[c]: channel c's place in x
-  int* source = s.idx2.data();
-  const uint8_t* cmask = st + d[VK_CHAN_MASK];
-  for (int c = 0, a = 0, b = n2; c < D; ++c) source[c] = bit_at(cmask, c) ? a++ : b++;
+  // each token's row first in stream order (its 2-bit channels, then its normal ones),
+  // then put in channel order
   for (int t = 0; t < T; ++t) {
-    const float *code2 = c2 + t * n2, *bit = c1 + t * n1;
+    const float* code2 = c2 + t * n2;
+    float* x = rows + t * D;
 #pragma omp simd
     for (int j = 0; j < n2; ++j) x[j] = code2[j] * scale2[j] + zero2[j];
-    float* normal = x + n2;
-    if (f.fft_map_t) {
-      switch (J) {
-        case 1: map_components<1>(bit, lo, hi, n1, columns, normal); break;
-        case 2: map_components<2>(bit, lo, hi, n1, columns, normal); break;
-        case 3: map_components<3>(bit, lo, hi, n1, columns, normal); break;
-        default: map_components<4>(bit, lo, hi, n1, columns, normal);
-      }
-    } else {
+  }
+  if (f.fft_map_t && n1 > 0) {
+    switch (J) {
+      case 1: map_rows<1>(c1, T, n1, lo, hi, columns, rows, D, n2); break;
+      case 2: map_rows<2>(c1, T, n1, lo, hi, columns, rows, D, n2); break;
+      case 3: map_rows<3>(c1, T, n1, lo, hi, columns, rows, D, n2); break;
+      default: map_rows<4>(c1, T, n1, lo, hi, columns, rows, D, n2);
+    }
+  } else if (!f.fft_map_t) {
+    for (int t = 0; t < T; ++t) {
+      const float* bit = c1 + t * n1;
+      float* normal = rows + t * D + n2;
 #pragma omp simd
       for (int j = 0; j < n1; ++j) normal[j] = bit[j] != 0.f ? hi[j] : lo[j];
     }
-    for (int c = 0; c < D; ++c) rows[t * D + c] = x[source[c]];
   }
+  const uint8_t* cmask = st + d[VK_CHAN_MASK];
+  float* x = s.w.data();  // one token's row in stream order
+#if defined(__AVX512F__)
+  // channel order by expanding loads: a 16-channel block takes its 2-bit channels (mask bits
+  // set) from the next 2-bit values and the rest from the next normal ones
+  for (int t = 0; t < T; ++t) {
+    float* row = rows + t * D;
+    std::memcpy(x, row, sizeof(float) * D);
+    const float *two = x, *normal = x + n2;
+    for (int c = 0; c < D; c += L) {
+      uint16_t bits;
+      std::memcpy(&bits, cmask + c / 8, sizeof bits);
+      const __m512 v = _mm512_mask_expandloadu_ps(_mm512_maskz_expandloadu_ps(bits, two),
+                                                  __mmask16(~bits), normal);
+      _mm512_storeu_ps(row + c, v);
+      two += __builtin_popcount(bits);
+      normal += L - __builtin_popcount(bits);
+    }
+  }
+#else
+  int* source = s.idx2.data();  // channel c's place in the stream-order row
+  for (int c = 0, a = 0, b = n2; c < D; ++c) source[c] = bit_at(cmask, c) ? a++ : b++;
+  for (int t = 0; t < T; ++t) {
+    float* row = rows + t * D;
+    std::memcpy(x, row, sizeof(float) * D);
+    for (int c = 0; c < D; ++c) row[c] = x[source[c]];
+  }
+#endif
   return true;
 }
 
