@@ -1762,66 +1762,14 @@ Work& kept_work(const Format& f, int M) {
   return *kept.back().work;
 }
 
-// VidKV's A as the rows of key_rows' `columns`, each padded with zeros to round_up(n1)
-// floats (empty without the FFT)
+// VidKV's A as the rows of key_rows' `columns`, [n1][n1] (empty without the FFT)
 std::vector<float> key_map_columns(const Format& f) {
   if (f.key[0] != KEY_VIDKV || !f.fft_map_t) return {};
-  const int n1 = int(f.key[VK_N1]), stride = round_up(n1);
-  std::vector<float> columns(size_t(n1) * stride, 0.f);
+  const int n1 = int(f.key[VK_N1]);
+  std::vector<float> columns(size_t(n1) * n1);
   for (int j = 0; j < n1; ++j)
-    for (int c = 0; c < n1; ++c) columns[j * stride + c] = f.fft_map_t[c * n1 + j];
+    for (int c = 0; c < n1; ++c) columns[j * n1 + c] = f.fft_map_t[c * n1 + j];
   return columns;
-}
-
-// For NT tokens u: out[u][0, n1) = sum_j z_uj columns[j] over the n1 components (z_uj:
-// hi_j where bit[u][j], else lo_j; bits, lo, hi readable to J L floats), the NT J vectors of
-// sums in registers: NT tokens share each column's loads, and their sums are independent
-// chains of multiply-adds (one token alone waits on one chain per vector)
-template <int J, int NT>
-void map_components(const float* const* bit, const float* lo, const float* hi, int n1,
-                    const float* columns, float* const* out) {
-  float z[NT][J * L];
-  for (int u = 0; u < NT; ++u)
-    for (int v = 0; v < J; ++v) {  // selected as vectors: the bits are random, branches miss
-      const vi set = loadf(bit[u] + v * L) != vf{};
-      storef(z[u] + v * L, set ? loadf(hi + v * L) : loadf(lo + v * L));
-    }
-  vf acc[NT][J] = {};
-  for (int j = 0; j < n1; ++j) {
-    vf col[J];
-    for (int v = 0; v < J; ++v) col[v] = loadf(columns + j * J * L + v * L);
-    for (int u = 0; u < NT; ++u) {
-      const vf zj = splat(z[u][j]);
-      for (int v = 0; v < J; ++v) acc[u][v] += zj * col[v];
-    }
-  }
-  for (int u = 0; u < NT; ++u) {
-    for (int v = 0; v + 1 < J; ++v) storef(out[u] + v * L, acc[u][v]);
-    storef_first(out[u] + (J - 1) * L, acc[u][J - 1], n1 - (J - 1) * L);
-  }
-}
-
-// map_components of tokens [0, T) of the 1-bit stream c1 (n1 per token), token t's sums to
-// rows + t * D + n2, NT tokens at a time
-template <int J>
-void map_rows(const float* c1, int T, int n1, const float* lo, const float* hi,
-              const float* columns, float* rows, int D, int n2) {
-  constexpr int NT = L == 16 ? 4 : 2;  // AVX2's 16 registers: NT J sums, J columns
-  int t = 0;
-  for (; t + NT <= T; t += NT) {
-    const float* bit[NT];
-    float* out[NT];
-    for (int u = 0; u < NT; ++u) {
-      bit[u] = c1 + (t + u) * n1;
-      out[u] = rows + (t + u) * D + n2;
-    }
-    map_components<J, NT>(bit, lo, hi, n1, columns, out);
-  }
-  for (; t < T; ++t) {
-    const float* bit = c1 + t * n1;
-    float* out = rows + t * D + n2;
-    map_components<J, 1>(&bit, lo, hi, n1, columns, &out);
-  }
 }
 
 // Group st's keys as rows rows[t * D + c] = k_t[c] (t < T), read straight from the codes
@@ -1845,7 +1793,7 @@ bool key_rows(const Format& f, const uint8_t* st, const float* columns, float* r
   }
   if (d[0] != KEY_VIDKV || d[VK_NP] != 0) return false;
   const int n2 = int(d[VK_N2]), n1 = int(d[VK_N1]), J = round_up(n1) / L;
-  if (f.fft_map_t && J > 4) return false;  // wider than map_components runs below
+  if (f.fft_map_t && J > 4) return false;  // wider than rows_times runs below
   // the codes in s.x (T D + 2 L floats hold both streams), the levels in s.meta
   float *c2 = s.x.data(), *c1 = c2 + size_t(T) * n2 + L;
   float *scale2 = scale, *zero2 = zero, *lo = zero + D, *hi = lo + D;
@@ -1860,20 +1808,15 @@ bool key_rows(const Format& f, const uint8_t* st, const float* columns, float* r
 #pragma omp simd
     for (int j = 0; j < n2; ++j) x[j] = code2[j] * scale2[j] + zero2[j];
   }
-  if (f.fft_map_t && n1 > 0) {
-    switch (J) {
-      case 1: map_rows<1>(c1, T, n1, lo, hi, columns, rows, D, n2); break;
-      case 2: map_rows<2>(c1, T, n1, lo, hi, columns, rows, D, n2); break;
-      case 3: map_rows<3>(c1, T, n1, lo, hi, columns, rows, D, n2); break;
-      default: map_rows<4>(c1, T, n1, lo, hi, columns, rows, D, n2);
-    }
-  } else if (!f.fft_map_t) {
-    for (int t = 0; t < T; ++t) {
-      const float* bit = c1 + t * n1;
-      float* normal = rows + t * D + n2;
+  for (int t = 0; t < T; ++t) {  // the components' levels z, in place of their bits
+    float* z = c1 + t * n1;
 #pragma omp simd
-      for (int j = 0; j < n1; ++j) normal[j] = bit[j] != 0.f ? hi[j] : lo[j];
-    }
+    for (int j = 0; j < n1; ++j) z[j] = z[j] != 0.f ? hi[j] : lo[j];
+  }
+  if (!f.fft_map_t) {
+    for (int t = 0; t < T; ++t) std::memcpy(rows + t * D + n2, c1 + t * n1, sizeof(float) * n1);
+  } else if (n1 > 0) {
+    rows_times(c1, n1, T, n1, columns, n1, n1, rows + n2, D);
   }
   const uint8_t* cmask = st + d[VK_CHAN_MASK];
   float* x = s.w.data();  // one token's row in stream order

@@ -73,6 +73,65 @@ inline float hsum(vf v) {
   return v[0];
 }
 
+// out[u][0, n) = sum_{c < k} a[u][c] b[c ldb, + n) for NT rows u (n <= J L; b's rows read
+// to their n-th float only): the NT J sums in registers, NT rows sharing each load of b and
+// their sums independent chains of multiply-adds (one row alone waits on one chain per
+// vector). Each sum in c order, as a scalar loop's.
+template <int J, int NT>
+inline void rows_times_block(const float* const* a, int k, const float* b, int64_t ldb, int n,
+                             float* const* out) {
+  const int last = n - (J - 1) * L;
+  vf acc[NT][J] = {};
+  for (int c = 0; c < k; ++c) {
+    const float* row = b + c * ldb;
+    vf col[J];
+    for (int v = 0; v + 1 < J; ++v) col[v] = loadf(row + v * L);
+    col[J - 1] = loadf_first(row + (J - 1) * L, last);
+    for (int u = 0; u < NT; ++u) {
+      const vf x = splat(a[u][c]);
+      for (int v = 0; v < J; ++v) acc[u][v] += x * col[v];
+    }
+  }
+  for (int u = 0; u < NT; ++u) {
+    for (int v = 0; v + 1 < J; ++v) storef(out[u] + v * L, acc[u][v]);
+    storef_first(out[u] + (J - 1) * L, acc[u][J - 1], last);
+  }
+}
+
+template <int J>
+void rows_times_rows(const float* a, int64_t lda, int rows, int k, const float* b, int64_t ldb,
+                     int n, float* out, int64_t ldo) {
+  constexpr int NT = L == 16 ? 4 : 2;  // AVX2's 16 registers: NT J sums and J of b
+  int r = 0;
+  for (; r + NT <= rows; r += NT) {
+    const float* ar[NT];
+    float* o[NT];
+    for (int u = 0; u < NT; ++u) {
+      ar[u] = a + (r + u) * lda;
+      o[u] = out + (r + u) * ldo;
+    }
+    rows_times_block<J, NT>(ar, k, b, ldb, n, o);
+  }
+  for (; r < rows; ++r) {
+    const float* ar = a + r * lda;
+    float* o = out + r * ldo;
+    rows_times_block<J, 1>(&ar, k, b, ldb, n, &o);
+  }
+}
+
+// out[r * ldo, + n) = a[r * lda, + k) b for rows r < rows, b [k][n] with row stride ldb (a
+// product of small matrices, rows_times_block); false, nothing written, where n > 4 L (0 < n)
+inline bool rows_times(const float* a, int64_t lda, int rows, int k, const float* b,
+                       int64_t ldb, int n, float* out, int64_t ldo) {
+  switch ((n + L - 1) / L) {
+    case 1: rows_times_rows<1>(a, lda, rows, k, b, ldb, n, out, ldo); return true;
+    case 2: rows_times_rows<2>(a, lda, rows, k, b, ldb, n, out, ldo); return true;
+    case 3: rows_times_rows<3>(a, lda, rows, k, b, ldb, n, out, ldo); return true;
+    case 4: rows_times_rows<4>(a, lda, rows, k, b, ldb, n, out, ldo); return true;
+    default: return false;
+  }
+}
+
 // two accumulators and a shuffle reduction (the compiler's reduction went through memory)
 inline float dot(const float* a, const float* b, int n) {
   vf s0 = vf{}, s1 = vf{};
