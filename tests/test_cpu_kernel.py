@@ -555,6 +555,34 @@ def test_staging_writes_equal_the_pytorch_ones(staging_dtype, dtype, monkeypatch
     assert (scale is None and want_scale is None) or torch.equal(scale, want_scale)
 
 
+@pytest.mark.parametrize("staging_dtype", ["int8", "model"])
+def test_staged_reads_equal_the_pytorch_ones(staging_dtype, monkeypatch):
+    """The C++ staged read (StagedTokens.read_run) returns what the PyTorch path does, bit
+    for bit: runs of slots cut at n tokens (a whole run, inside a slot, one slot), batched
+    runs, through a head view as a split layer reads; slots outside the staging and runs
+    longer than their slots are refused by name."""
+    import vllm_lowbit_kv.paged.write as write
+
+    g = torch.Generator().manual_seed(5)
+    staging = write.Staging.allocate(6, 16, 5, 64, torch.bfloat16, staging_dtype=staging_dtype)
+    x = (torch.randn(96, 5, 64, generator=g) * 3).bfloat16()
+    staging.k.store(torch.arange(96) // 16, torch.arange(96) % 16, x, torch.arange(96))
+    part = staging.heads(1, 4, 3).k
+    cases = [(torch.tensor([4, 1, 2]), 48), (torch.tensor([4, 1, 2]), 21),
+             (torch.tensor([3]), 5), (torch.tensor([[0, 5], [2, 3]]), 30)]
+    in_cpp = write.read_staged
+    for slots, n in cases:
+        got = part.read_run(slots, n)
+        monkeypatch.setattr(write, "read_staged", lambda *a: None)
+        want = part.read_run(slots, n)
+        monkeypatch.setattr(write, "read_staged", in_cpp)
+        assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="slots"):
+        part.read_run(torch.tensor([6]), 3)
+    with pytest.raises(RuntimeError, match="out"):
+        part.read_run(torch.tensor([0]), 17)
+
+
 def test_page_state_writes_equal_the_pytorch_ones():
     """cpu.write_states puts group states where PageFormat.write_states does, bit for bit,
     nothing else touched: sink bytes, several groups per block, a split layer's part (a

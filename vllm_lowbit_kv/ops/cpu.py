@@ -430,6 +430,22 @@ def stage_rows(x: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, off: tor
     return True
 
 
+def read_staged(data: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor,
+                n: int) -> torch.Tensor | None:
+    """The first ``n`` tokens of each run of staging slots ``slots`` [..., S] (slot after
+    slot) of ``data`` [slots, T, H, D] as float32 [..., n, H, D]: int8 codes times their
+    ``scale`` [slots, T, H, 1], or the model dtype widened (``csrc/cpu/staging.cpp``).
+    None where it does not run (another device, the library not loaded: this never
+    builds it)."""
+    if not _built or data.device.type != "cpu":
+        return None
+    lead = slots.shape[:-1]
+    flat = _int64(slots.reshape(-1, slots.shape[-1]))
+    out = torch.empty(flat.shape[0], n, *data.shape[2:], dtype=torch.float32)
+    torch.ops.lowbit_kv.read_staged(data, torch.empty(0) if scale is None else scale, flat, out)
+    return out.view(*lead, n, *data.shape[2:])
+
+
 def write_states(fmt: PageFormat, pages: torch.Tensor, gids: torch.Tensor,
                  states: torch.Tensor) -> bool:
     """``fmt.write_states(pages, gids, states)`` (states [E, H, state_bytes] of the groups

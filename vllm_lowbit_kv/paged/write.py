@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs.quant import absmax_int8, require_staging_dtype
-from ..ops.cpu import stage_rows
+from ..ops.cpu import read_staged, stage_rows
 from .layout import SINK_RELEVANCE, PagedLayout, mask_sink_rows, rank_protected
 from .plan import WritePlan
 
@@ -62,6 +62,9 @@ class StagedTokens:
     def read_run(self, slots: torch.Tensor, n: int) -> torch.Tensor:
         """The first ``n`` tokens of the runs ``slots`` [..., S] (slot after slot):
         [..., n, H, D] float32."""
+        x = read_staged(self.data, self.scale, slots, n)  # the C++ op: one pass
+        if x is not None:
+            return x
         x = _run(self.data, slots, n).float()
         return x if self.scale is None else x * _run(self.scale, slots, n)
 

@@ -3,8 +3,9 @@
 // in the model dtype or as int8 codes with a float32 scale per (token, KV head). The int8
 // codes are codecs/quant.py's absmax_int8 bit for bit on finite rows: scale = max |x| / 127
 // (1 for an all-zero row), code = x / scale rounded to nearest even, clamped to [-127,
-// 127]. write_states (encode_groups): encoded group states into their pages, as
-// PageFormat.write_states puts them.
+// 127]. read_staged (StagedTokens.read_run): runs of staged tokens back, widened (int8
+// codes times their scale). write_states (encode_groups): encoded group states into their
+// pages, as PageFormat.write_states puts them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -73,6 +74,46 @@ void stage_rows(const at::Tensor& x, const at::Tensor& tok, const at::Tensor& sl
   });
 }
 
+// the first n tokens of each run of slots (slot after slot): out[b, t, h] = data[slots[b,
+// t / T], t % T, h] (times scale[...] for int8 data; scale empty for model-dtype data), out
+// [B, n, H, D] in a float dtype
+void read_staged(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& slots,
+                 const at::Tensor& out) {
+  TORCH_CHECK(data.dim() == 4 && data.stride(3) == 1,
+              "data: [slots, T, H, D] with unit stride in the last dim");
+  const int64_t T = data.size(1), H = data.size(2), D = data.size(3);
+  const bool int8 = data.scalar_type() == at::kChar;
+  TORCH_CHECK(!int8 || (scale.scalar_type() == at::kFloat && scale.dim() == 4 &&
+                        scale.size(0) == data.size(0) && scale.size(1) == T && scale.size(2) == H),
+              "scale: float32 [slots, T, H, 1] beside int8 data");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 2,
+              "slots: int64 contiguous [B, S]");
+  const auto ot = out.scalar_type();
+  TORCH_CHECK(out.dim() == 4 && out.size(0) == slots.size(0) && out.size(2) == H &&
+                  out.size(3) == D && out.stride(3) == 1 &&
+                  (ot == at::kFloat || ot == at::kBFloat16 || ot == at::kHalf),
+              "out: float32, bfloat16 or float16 [B, n, H, D] with unit stride in the last dim");
+  const int64_t B = slots.size(0), S = slots.size(1), n = out.size(1);
+  TORCH_CHECK(n <= S * T, "out: n = ", n, " tokens, more than the ", S, " slots hold");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * S; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < data.size(0), "slots[", i, "] = ", sp[i],
+                " outside the ", data.size(0), " staging slots");
+  const View dv(data), sv(int8 ? scale : at::Tensor());
+  const MutableView ov(out);
+  at::parallel_for(0, B * n * H, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(static_cast<size_t>(D));
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b = it / (n * H), t = it / H % n, h = it % H;
+      const int64_t slot = sp[b * S + t / T], at = t % T;
+      float s = 1.f;
+      if (int8) std::memcpy(&s, sv.at(slot, at, h), sizeof s);
+      dv.row(slot, at, h, 0, D, s, row.data());
+      narrow(row.data(), D, ot, ov.at(b, t, h));
+    }
+  });
+}
+
 // states [E, H, C] -> pages [blocks, H, P]: group gids[e] is group gids[e] % N of block
 // gids[e] / N, at byte sink_bytes + (gids[e] % N) C of each head's page bytes. One thread:
 // a few groups a step, where torch's indexed put ran element by element across the pool.
@@ -105,12 +146,14 @@ void write_states(const at::Tensor& states, const at::Tensor& gids, int64_t N,
 TORCH_LIBRARY_FRAGMENT(lowbit_kv, m) {
   m.def("stage_rows(Tensor x, Tensor tok, Tensor slot, Tensor off, Tensor(a!) data, "
         "Tensor(b!) scale) -> ()");
+  m.def("read_staged(Tensor data, Tensor scale, Tensor slots, Tensor(a!) out) -> ()");
   m.def("write_states(Tensor states, Tensor gids, int groups_per_block, int sink_bytes, "
         "Tensor(a!) pages) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lowbit_kv, CPU, m) {
   m.impl("stage_rows", &stage_rows);
+  m.impl("read_staged", &read_staged);
   m.impl("write_states", &write_states);
 }
 
