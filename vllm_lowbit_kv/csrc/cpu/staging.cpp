@@ -76,7 +76,7 @@ void stage_rows(const at::Tensor& x, const at::Tensor& tok, const at::Tensor& sl
 
 // the first n tokens of each run of slots (slot after slot): out[b, t, h] = data[slots[b,
 // t / T], t % T, h] (times scale[...] for int8 data; scale empty for model-dtype data), out
-// [B, n, H, D] in a float dtype
+// float32 contiguous [B, n, H, D]
 void read_staged(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& slots,
                  const at::Tensor& out) {
   TORCH_CHECK(data.dim() == 4 && data.stride(3) == 1,
@@ -88,11 +88,9 @@ void read_staged(const at::Tensor& data, const at::Tensor& scale, const at::Tens
               "scale: float32 [slots, T, H, 1] beside int8 data");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 2,
               "slots: int64 contiguous [B, S]");
-  const auto ot = out.scalar_type();
-  TORCH_CHECK(out.dim() == 4 && out.size(0) == slots.size(0) && out.size(2) == H &&
-                  out.size(3) == D && out.stride(3) == 1 &&
-                  (ot == at::kFloat || ot == at::kBFloat16 || ot == at::kHalf),
-              "out: float32, bfloat16 or float16 [B, n, H, D] with unit stride in the last dim");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 4 &&
+                  out.size(0) == slots.size(0) && out.size(2) == H && out.size(3) == D,
+              "out: float32 contiguous [B, n, H, D]");
   const int64_t B = slots.size(0), S = slots.size(1), n = out.size(1);
   TORCH_CHECK(n <= S * T, "out: n = ", n, " tokens, more than the ", S, " slots hold");
   const int64_t* sp = slots.data_ptr<int64_t>();
@@ -100,16 +98,14 @@ void read_staged(const at::Tensor& data, const at::Tensor& scale, const at::Tens
     TORCH_CHECK(sp[i] >= 0 && sp[i] < data.size(0), "slots[", i, "] = ", sp[i],
                 " outside the ", data.size(0), " staging slots");
   const View dv(data), sv(int8 ? scale : at::Tensor());
-  const MutableView ov(out);
+  float* dst = out.data_ptr<float>();
   at::parallel_for(0, B * n * H, 256, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(static_cast<size_t>(D));
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = it / (n * H), t = it / H % n, h = it % H;
       const int64_t slot = sp[b * S + t / T], at = t % T;
       float s = 1.f;
       if (int8) std::memcpy(&s, sv.at(slot, at, h), sizeof s);
-      dv.row(slot, at, h, 0, D, s, row.data());
-      narrow(row.data(), D, ot, ov.at(b, t, h));
+      dv.row(slot, at, h, 0, D, s, dst + it * D);
     }
   });
 }
