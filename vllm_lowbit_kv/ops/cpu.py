@@ -441,8 +441,9 @@ def read_staged(data: torch.Tensor, scale: torch.Tensor | None, slots: torch.Ten
         return None
     lead = slots.shape[:-1]
     flat = _int64(slots.reshape(-1, slots.shape[-1]))
-    out = torch.empty(flat.shape[0], n, *data.shape[2:], dtype=torch.float32)
-    torch.ops.lowbit_kv.read_staged(data, torch.empty(0) if scale is None else scale, flat, out)
+    out = torch.empty(flat.shape[0], n, *data.shape[2:], dtype=torch.float32, device=data.device)
+    torch.ops.lowbit_kv.read_staged(
+        data, torch.empty(0, device=data.device) if scale is None else scale, flat, out)
     return out.view(*lead, n, *data.shape[2:])
 
 
