@@ -146,10 +146,15 @@ void run_item(const Args<T>& a, const PairBlocks* pairs, ItemWork<T>& w, int64_t
       products.scores(kt, KB, ntp, p, KB);
     }
     for (int64_t m = 0; m < M; ++m) w.hi[m] = int(std::clamp<int64_t>(limit[m] - j0, 0, nt));
-    softmax_rows(p, int(M), KB, ntp, 0, w.hi.data(), score_scale, mrun.data(), lsum.data(), o,
-                 int(D), w.corr.data());  // online softmax, probabilities in place
+    // online softmax: probabilities in place, or as bf16 where the pair tiles read them
+    uint16_t* bf16 = nullptr;
 #if defined(__AVX512BF16__)
-    if (pairs) products.pair_values(p, KB, pairs->values(h, j0 / KB), nt, o);
+    if (pairs) bf16 = products.probabilities();
+#endif
+    softmax_rows(p, int(M), KB, ntp, 0, w.hi.data(), score_scale, mrun.data(), lsum.data(), o,
+                 int(D), w.corr.data(), bf16);
+#if defined(__AVX512BF16__)
+    if (pairs) products.pair_values_bf16(KB, pairs->values(h, j0 / KB), nt, o);
 #endif
     if (!pairs) products.values(p, KB, vt, nt, o);
   }

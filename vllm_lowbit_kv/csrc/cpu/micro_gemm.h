@@ -373,9 +373,14 @@ class TileProducts {
                                sc + done * ldc, ldc);
   }
   void pair_values(const float* p, int64_t ldp, const uint32_t* vp, int n, float* o) {
-    uint32_t* pw = words(kProbabilities);
-    for (int m = 0; m < M_; ++m)
-      bf16_row(p + m * ldp, round_up(n), reinterpret_cast<uint16_t*>(pw + m * ldp / 2));
+    for (int m = 0; m < M_; ++m) bf16_row(p + m * ldp, round_up(n), probabilities() + m * ldp);
+    pair_values_bf16(ldp, vp, n, o);
+  }
+  // where pair_values_bf16 reads the probabilities: bf16 rows, row m at m * ldp
+  uint16_t* probabilities() const { return reinterpret_cast<uint16_t*>(words(kProbabilities)); }
+  // pair_values of probabilities already in probabilities() (softmax_rows writes them there)
+  void pair_values_bf16(int64_t ldp, const uint32_t* vp, int n, float* o) {
+    const uint32_t* pw = words(kProbabilities);
     int done = 0;
 #if defined(LOWBIT_AMX)
     if (amx_ && n % 32 == 0) {

@@ -186,37 +186,40 @@ inline void rows_to_columns(Row row, int n, int np, int D, float* columns, int64
     }
 }
 
-// exp(x) for softmax arguments (x <= 0 or -inf): Cody-Waite range reduction to |r| <= ln 2 / 2
-// and a degree-6 Taylor polynomial, about 1 ulp; x < -87 gives 0, NaN stays NaN.
+// 2^y for softmax arguments in base 2 (y <= 0 or -inf; softmax_rows folds log2(e) into the
+// scale, so the caller's scaling and subtraction are one multiply-add): y = k + f with k the
+// nearest integer and |f| <= 1/2 (exact), 2^f by a degree-6 Taylor polynomial of e^(f ln 2)
+// (|f ln 2| <= 0.347: about 1 ulp, as a Cody-Waite exp), times 2^k. y < -126 gives 0, NaN
+// stays NaN.
+constexpr float kLog2e = 1.44269504f;
+constexpr float kExp2Taylor[7] = {1.f, 0.693147182f, 0.240226507f, 0.0555041087f,
+                                  0.00961812911f, 0.00133335581f, 0.000154035304f};
 #if defined(__AVX512F__)
 // the power of two by a rounding and a vscalefps: about half the instructions of the
 // integer route below (the exponent built from a float-to-int conversion)
-inline vf vexp(vf x) {
-  const __m512 xs = reinterpret_cast<__m512>(x);
-  const __m512 v = _mm512_max_ps(_mm512_set1_ps(-87.f), xs);  // NaN: vmaxps returns xs
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145752f), v);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860677e-06f), r);
-  __m512 p = _mm512_set1_ps(0.00138888892f);
-  for (const float c : {0.00833333377f, 0.0416666679f, 0.166666672f, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __mmask16 live = _mm512_cmp_ps_mask(xs, _mm512_set1_ps(-87.f), _CMP_NLT_UQ);
+inline vf vexp2(vf y) {
+  const __m512 ys = reinterpret_cast<__m512>(y);
+  const __m512 v = _mm512_max_ps(_mm512_set1_ps(-127.f), ys);  // NaN: vmaxps returns ys
+  const __m512 k = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(v, k);
+  __m512 p = _mm512_set1_ps(kExp2Taylor[6]);
+  for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[i]));
+  const __mmask16 live = _mm512_cmp_ps_mask(ys, _mm512_set1_ps(-126.f), _CMP_NLT_UQ);
   return reinterpret_cast<vf>(_mm512_maskz_scalef_ps(live, p, k));
 }
 #else
-inline vf vexp(vf x) {
-  const vf v = x < -87.f ? splat(-87.f) : x;
-  vf k = v * 1.44269504f + 0.5f;
+inline vf vexp2(vf y) {
+  const vf v = y < -126.f ? splat(-126.f) : y;
+  vf k = v + 0.5f;
   k = __builtin_convertvector(__builtin_convertvector(k, vi), vf);
-  k = k > v * 1.44269504f + 0.5f ? k - 1.f : k;  // floor
-  const vf r = v - k * 0.693145752f - k * 1.42860677e-06f;
-  const vf p = 1.f + r * (1.f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f +
-               r * (0.00833333377f + r * 0.00138888892f)))));
+  k = k > v + 0.5f ? k - 1.f : k;  // floor
+  const vf f = v - k;
+  vf p = splat(kExp2Taylor[6]);
+  for (int i = 5; i >= 0; --i) p = p * f + kExp2Taylor[i];
   const vi e = (__builtin_convertvector(k, vi) + 127) << 23;
   vf scale;
   std::memcpy(&scale, &e, sizeof scale);
-  return x < -87.f ? vf{} : p * scale;
+  return y < -126.f ? vf{} : p * scale;
 }
 #endif
 
@@ -237,7 +240,9 @@ inline vf load_bf16(const uint16_t* p) {
 // running maximum; updates mrun[m] and lsum[m] (the sum of those probabilities), multiplies
 // acc[m * D, (m + 1) * D) (what the earlier blocks summed; D a multiple of L) by the
 // correction exp(old m - m) and leaves it in corr[m] (1 where nothing changes: no position
-// counts, or nothing was summed before).
+// counts, or nothing was summed before). With `bf16` (a build with AVX-512 BF16) the
+// probabilities go there instead, rounded to bf16 (nearest even), row m at bf16 + m * ldp:
+// what the pair tiles' value products read, without a pass of their own.
 // Each step runs over all rows before the next (the maxima, the corrections as vectors of
 // rows, then the exponentials and sums): within a row the steps are a chain of dependent
 // reductions, across rows they are independent, and the CPU overlaps them only when they
@@ -246,7 +251,7 @@ inline vf load_bf16(const uint16_t* p) {
 // the first pass writes only the vectors it masks.
 inline void softmax_rows(float* p, int M, int64_t ldp, int n, int lo, const int* hi,
                          float scale, float* mrun, float* lsum, float* acc, int D,
-                         float* corr) {
+                         float* corr, uint16_t* bf16 = nullptr) {
   constexpr float kNoKey = -std::numeric_limits<float>::infinity();
   const vi lane = iota();
   for (int m = 0; m < M; ++m) {  // maxima (positions that do not count set to -inf)
@@ -267,19 +272,44 @@ inline void softmax_rows(float* p, int M, int64_t ldp, int n, int lo, const int*
   for (int m = 0; m < M; m += L) {  // corrections exp(old m - new m), 1 where nothing was summed
     const int lanes = std::min(L, M - m);
     const vf old = loadf_first(corr + m, lanes), now = loadf_first(mrun + m, lanes);
-    storef_first(corr + m, old == splat(kNoKey) ? splat(1.f) : vexp(old - now), lanes);
+    storef_first(corr + m, old == splat(kNoKey) ? splat(1.f) : vexp2((old - now) * kLog2e),
+                 lanes);
   }
   for (int m = 0; m < M; ++m) {  // probabilities and their sums
     float* row = p + m * ldp;
     if (mrun[m] == kNoKey) {  // no position counted yet
-      std::fill(row, row + n, 0.f);
+      if (bf16)
+        std::fill(bf16 + m * ldp, bf16 + m * ldp + n, uint16_t{0});
+      else
+        std::fill(row, row + n, 0.f);
       corr[m] = 1.f;
       continue;
     }
-    const vf m_new = splat(mrun[m]);
+    const vf m_new = splat(mrun[m] * kLog2e);
+    const float scale2 = scale * kLog2e;
+    const auto probability = [&](int t) { return vexp2(loadf(row + t) * scale2 - m_new); };
     vf total{};
-    for (int t = 0; t < n; t += L) {
-      const vf e = vexp(loadf(row + t) * scale - m_new);
+    int t = 0;
+#if defined(__AVX512BF16__)
+    if (bf16) {  // two vectors at a time: one conversion instruction for both
+      uint16_t* dst = bf16 + m * ldp;
+      for (; t + 2 * L <= n; t += 2 * L) {
+        const vf e0 = probability(t), e1 = probability(t + L);
+        total += e0;
+        total += e1;
+        _mm512_storeu_si512(dst + t, (__m512i)_mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(e1),
+                                                                   reinterpret_cast<__m512>(e0)));
+      }
+      for (; t < n; t += L) {
+        const vf e = probability(t);
+        total += e;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t),
+                            (__m256i)_mm512_cvtneps_pbh(reinterpret_cast<__m512>(e)));
+      }
+    }
+#endif
+    for (; t < n; t += L) {  // float32 probabilities in place (none left after bf16 ones)
+      const vf e = probability(t);
       total += e;
       storef(row + t, e);
     }
