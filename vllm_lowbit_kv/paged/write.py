@@ -56,8 +56,7 @@ class StagedTokens:
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """Whole slots ``slots`` [n] -> float32 [n, T, H, D]."""
-        x = self.data[slots].float()
-        return x if self.scale is None else x * self.scale[slots]
+        return self.read_run(slots.unsqueeze(-1), self.data.shape[1])
 
     def read_run(self, slots: torch.Tensor, n: int) -> torch.Tensor:
         """The first ``n`` tokens of the runs ``slots`` [..., S] (slot after slot):
