@@ -282,30 +282,48 @@ void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const fl
   const __mmask64 even_bytes = 0x5555555555555555ull;
   const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
   const int64_t bytes = (int64_t(n) * D + 4) / 5;
+  // row i's 64-trit vector j of the stream (as phase j of its 64 bytes) into the sums
+  auto add_row = [&](__m512 (*acc)[4], __m512i raw, int j, int i) {
+    __m512 x[4];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i bytes16 =
+          _mm512_maskz_permutexvar_epi8(even_bytes, kTritLanes.perm[j][h], raw);
+      const __m512i bf = _mm512_slli_epi16(trits16(bytes16, kTritLanes.mul[j][h]), 14);
+      x[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(bf, 16));
+      x[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(bf, top));
+    }
+    const int at = pos[i];
+    for (int m = 0; m < MB; ++m) {
+      const __m512 pm = _mm512_set1_ps(p[(m0 + m) * TP + at]);
+      for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_fmadd_ps(x[v], pm, acc[m][v]);
+    }
+  };
   for (int c0 = 0; c0 < D; c0 += 64) {
     __m512 acc[MB][4];
     for (int m = 0; m < MB; ++m)
       for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
-    for (int i = 0; i < n; ++i) {
+    // five rows are D whole bytes: row r of every five takes its vector at the same place
+    // and phase (no divisions in the loop)
+    int phase[5];
+    int64_t at[5];
+    for (int r = 0; r < 5; ++r) {
+      const int u = r * (D / 64) + c0 / 64;
+      phase[r] = u % 5;
+      at[r] = u / 5 * 64;
+    }
+    int i = 0;
+    for (; i + 5 <= n; i += 5) {
+      const uint8_t* five = src + int64_t(i) / 5 * D;
+#pragma GCC unroll 5
+      for (int r = 0; r < 5; ++r) add_row(acc, _mm512_loadu_si512(five + at[r]), phase[r], i + r);
+    }
+    for (; i < n; ++i) {
       const int64_t u = (int64_t(i) * D + c0) / 64;  // 64-trit vector of the stream
       const int64_t b0 = u / 5 * 64;
-      const int j = int(u % 5);
       const __m512i raw = b0 + 64 <= bytes
                               ? _mm512_loadu_si512(src + b0)
                               : _mm512_maskz_loadu_epi8((1ull << (bytes - b0)) - 1, src + b0);
-      __m512 x[4];
-      for (int h = 0; h < 2; ++h) {
-        const __m512i bytes16 =
-            _mm512_maskz_permutexvar_epi8(even_bytes, kTritLanes.perm[j][h], raw);
-        const __m512i bf = _mm512_slli_epi16(trits16(bytes16, kTritLanes.mul[j][h]), 14);
-        x[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(bf, 16));
-        x[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(bf, top));
-      }
-      const int at = pos[i];
-      for (int m = 0; m < MB; ++m) {
-        const __m512 pm = _mm512_set1_ps(p[(m0 + m) * TP + at]);
-        for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_fmadd_ps(x[v], pm, acc[m][v]);
-      }
+      add_row(acc, raw, int(u % 5), i);
     }
     const __m512 half = _mm512_set1_ps(0.5f);
     for (int m = 0; m < MB; ++m)
@@ -662,15 +680,20 @@ void lut_scores(const uint32_t* words, int groups, int TP, const float* tabs, fl
     for (int k0 = 0; k0 < groups; k0 += per_word) {
       const vu wv = loadu(words + (k0 / per_word) * TP + tb);
       const int kn = std::min(per_word, groups - k0);
-      int k = 0;
-      for (; k + 2 <= kn; k += 2) {  // two chains per vector: the adds overlap
+      auto two_groups = [&](int k) {  // two chains per vector: the adds overlap
         const vu i0 = wv >> unsigned(kGroupBits * k), i1 = wv >> unsigned(kGroupBits * (k + 1));
         for (int m = 0; m < MB; ++m) {
           const float* tm = tabs + (m * groups + k0 + k) * L;
           acc[m] += lookup(tm, i0);
           acc2[m] += lookup(tm + L, i1);
         }
+      };
+      int k = 0;
+      if (kn == per_word) {  // a whole word: unrolled, so that the shifts are by constants
+#pragma GCC unroll 16
+        for (k = 0; k < per_word; k += 2) two_groups(k);
       }
+      for (; k + 2 <= kn; k += 2) two_groups(k);
       if (k < kn) {
         const vu i0 = wv >> unsigned(kGroupBits * k);
         for (int m = 0; m < MB; ++m) acc[m] += lookup(tabs + (m * groups + k0 + k) * L, i0);
