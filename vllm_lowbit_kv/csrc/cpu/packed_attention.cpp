@@ -1222,7 +1222,7 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
   vidkv_key_levels(d, st, scale2, zero2, lo, hi);
   float* w2 = s.w.data();   // [M][n2]
   float* w1 = s.w1.data();  // [M][n1]
-  float* qn = s.qn.data();  // [M][n1]: the normal channels, then A q_N in place
+  float* qn = s.qn.data();  // [M][n1]: the normal channels (A q_N: s.u)
   for (int m = 0; m < M; ++m) {
     const float* qm = q + m * D;
     float* w2m = w2 + m * n2;
@@ -1241,16 +1241,19 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
     for (int j = 0; j < n2; ++j) w2m[j] = qm[s.idx2[j]];
     for (int j = 0; j < n1; ++j) qn[m * n1 + j] = qm[s.idxn[j]];
 #endif
+  }
+  // u = A q_N: the inverse transform moved onto the query
+  if (f.fft_map_t) LOWBIT_FOR_BLOCKS(M, mat_vec, f.fft_map_t, n1, qn, s.u.data())
+  const float* un = f.fft_map_t ? s.u.data() : qn;
+  // the weights read the compressed queries only now: a vector load right behind the
+  // compressing stores spans two of them and waits for both to retire (a fifth of this
+  // function's time when it followed them)
+  for (int m = 0; m < M; ++m) {
+    float* w2m = w2 + m * n2;
     s.cst[m] = dot(w2m, zero2, n2);
 #pragma omp simd
     for (int j = 0; j < n2; ++j) w2m[j] *= scale2[j];
-  }
-  if (f.fft_map_t) {  // u = A q_N: the inverse transform moved onto the query
-    LOWBIT_FOR_BLOCKS(M, mat_vec, f.fft_map_t, n1, qn, s.u.data())
-    std::copy(s.u.begin(), s.u.begin() + size_t(M) * n1, qn);
-  }
-  for (int m = 0; m < M; ++m) {
-    const float* u = qn + m * n1;
+    const float* u = un + m * n1;
     float* w1m = w1 + m * n1;
 #pragma omp simd
     for (int j = 0; j < n1; ++j) w1m[j] = u[j] * (hi[j] - lo[j]);
