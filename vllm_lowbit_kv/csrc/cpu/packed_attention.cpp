@@ -451,7 +451,34 @@ void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const fl
 // rows [0, n) of W whole words -> words[w * TP + i]
 template <int W>
 void whole_word_rows(const uint8_t* src, int n, uint32_t* words, int TP) {
-  for (int i = 0; i < n; ++i) {
+  int i = 0;
+#if defined(__AVX512F__)
+  // 16 rows at a time: word w of row t is dword W t + w of their W vectors, taken from two
+  // of them by one two-source permute (index W t + w mod 32), from four by two and a blend
+  if constexpr (W == 1 || W == 2 || W == 4) {
+    __m512i idx[W];
+    for (int w = 0; w < W; ++w) {
+      alignas(64) int32_t at[L];
+      for (int t = 0; t < L; ++t) at[t] = (W * t + w) % 32;
+      idx[w] = _mm512_load_si512(at);
+    }
+    for (; i + L <= n; i += L) {
+      const uint8_t* rows = src + 4 * W * int64_t(i);
+      __m512i v[W];
+      for (int k = 0; k < W; ++k) v[k] = _mm512_loadu_si512(rows + 64 * k);
+      for (int w = 0; w < W; ++w) {
+        __m512i out;
+        if constexpr (W == 1) out = v[0];
+        if constexpr (W == 2) out = _mm512_permutex2var_epi32(v[0], idx[w], v[1]);
+        if constexpr (W == 4)
+          out = _mm512_mask_blend_epi32(0xFF00, _mm512_permutex2var_epi32(v[0], idx[w], v[1]),
+                                        _mm512_permutex2var_epi32(v[2], idx[w], v[3]));
+        _mm512_storeu_si512(words + w * TP + i, out);
+      }
+    }
+  }
+#endif
+  for (; i < n; ++i) {
     uint32_t row[W];
     std::memcpy(row, src + 4 * W * int64_t(i), 4 * W);
     for (int w = 0; w < W; ++w) words[w * TP + i] = row[w];
@@ -1022,7 +1049,9 @@ struct Scratch {
 int code_words(const uint8_t* src, int n, int J, int bits, uint32_t* words, int TP) {
 #if defined(LOWBIT_FAST_CODES)
   const int64_t row_bits = int64_t(J) * bits;
-  if (row_bits % 8 == 0 && row_bits / 8 <= kMaxRowBytes) {
+  // rows of one, two or four whole words: copied or taken apart 16 at a time (repack_rows)
+  const bool word_rows = row_bits == 32 || row_bits == 64 || row_bits == 128;
+  if (!word_rows && row_bits % 8 == 0 && row_bits / 8 <= kMaxRowBytes) {
     transpose_rows(src, n, int(row_bits / 8), words, TP);
     return int((row_bits + 31) / 32);
   }
