@@ -305,17 +305,18 @@ void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const fl
     // five rows are D whole bytes: row r of every five takes its vector at the same place
     // and phase (no divisions in the loop)
     int phase[5];
-    int64_t at[5];
+    int64_t offset[5];
     for (int r = 0; r < 5; ++r) {
       const int u = r * (D / 64) + c0 / 64;
       phase[r] = u % 5;
-      at[r] = u / 5 * 64;
+      offset[r] = u / 5 * 64;
     }
     int i = 0;
     for (; i + 5 <= n; i += 5) {
       const uint8_t* five = src + int64_t(i) / 5 * D;
 #pragma GCC unroll 5
-      for (int r = 0; r < 5; ++r) add_row(acc, _mm512_loadu_si512(five + at[r]), phase[r], i + r);
+      for (int r = 0; r < 5; ++r)
+        add_row(acc, _mm512_loadu_si512(five + offset[r]), phase[r], i + r);
     }
     for (; i < n; ++i) {
       const int64_t u = (int64_t(i) * D + c0) / 64;  // 64-trit vector of the stream
