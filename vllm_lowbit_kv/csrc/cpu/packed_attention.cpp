@@ -36,7 +36,11 @@
 // 2-bit codes, vpermps; AVX2: 2-bit groups of 1-bit codes, vpermilps). With AVX-512 VBMI
 // code rows are transposed 16 rows at a time by byte permutes, elsewhere repacked. Value
 // codes (KIVI 2/4/8-bit, STP rows) and trits are decoded in registers as they are summed
-// (AVX-512 or AVX2; the generic conversions, for any other CPU, are scalar loops).
+// (AVX-512 or AVX2; the generic conversions, for any other CPU, are scalar loops). With
+// AVX-512 VNNI and head_dim 64 or 128, trits are summed two rows at a time in integers
+// (ternary_pair_sums): the group's probabilities in 32767 steps of their largest (each
+// off by at most half a step, finer than the bf16 probabilities of flash attention's and
+// vLLM's bf16 paths), so the output moves by at most T max|alpha| / 65534.
 //
 // RVQ pages (seed 001: each token's head vector as K codeword indices per channel group,
 // times its std; the layer's codebooks, float32, passed beside the pages): where the item
@@ -333,6 +337,132 @@ void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const fl
   }
 }
 #define LOWBIT_FUSED_TRITS 64  // ternary_row_sums takes D a multiple of this
+
+#if defined(__AVX512VNNI__)
+// Rows A = 2k and B = 2k + 1 of every ten (2 D bytes, k < 5) for D = 64 or 128 both lie in
+// the 64 bytes from A's first byte, 2 k D / 5 (A's trits from digit 2 k D % 5 of it).
+// Quarter q (channels 16 q .. 16 q + 15): 16-bit lane 2i takes the byte of A's channel
+// 16 q + i, lane 2i + 1 that of B's (zero-extended), mul the kTritMul of each one's digit.
+struct TritPairs {
+  int offset[5];
+  __m512i perm[5][8], mul[5][8];
+  explicit TritPairs(int D) {
+    for (int k = 0; k < 5; ++k) {
+      offset[k] = 2 * k * D / 5;
+      const int phase = 2 * k * D % 5;
+      for (int q = 0; q < D / 16; ++q) {
+        alignas(64) uint8_t pm[64] = {};
+        alignas(64) uint16_t m[32];
+        for (int lane = 0; lane < 32; ++lane) {
+          const int t = phase + (lane % 2) * D + 16 * q + lane / 2;
+          pm[2 * lane] = uint8_t(t / 5);
+          m[lane] = uint16_t(kTritMul[t % 5]);
+        }
+        perm[k][q] = _mm512_load_si512(pm);
+        mul[k][q] = _mm512_load_si512(m);
+      }
+    }
+  }
+};
+static const TritPairs kTritPairs64(64), kTritPairs128(128);
+constexpr float kPairScale = 32767.f;  // the 16-bit fixed point's full scale
+
+// ternary_row_sums for D = 64 or 128, two rows at a time through VNNI: a query vector's
+// probabilities of the group's rows as 16-bit fixed point (32767 steps of their largest,
+// rounded to nearest: each moves by at most half a step), a row pair's two in every
+// 32-bit lane, against the rows' digits (trit + 1) in the lanes' 16-bit halves: one
+// vpdpwssd adds both rows' products for 16 channels, twice the float multiply-adds' work
+// at their rate, and the digits stay in 16-bit lanes (no float conversion). Their extra 1
+// comes off with the sum of the fixed-point probabilities; integer sums are exact.
+// fixed: scratch of MB (n + 2) int16 and n floats.
+template <int MB>
+void ternary_pair_sums(const uint8_t* src, int n, int D, const int* pos, const float* p, int TP,
+                       float* acc_w, int16_t* fixed, int m0) {
+  const int stride = (n + 2) & ~1;  // even, so that every pair is one aligned 32-bit word
+  float* gathered = reinterpret_cast<float*>(fixed + MB * stride);
+  float unit[MB];  // the probability of one fixed-point step
+  int32_t fixed_sum[MB];
+  const bool consecutive = n > 0 && pos[n - 1] - pos[0] == n - 1;  // pos ascends
+  auto lanes = [n](int i) {  // rows [i, i + 16) that exist
+    return n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+  };
+  for (int m = 0; m < MB; ++m) {
+    const float* pm = p + (m0 + m) * TP;
+    const float* rows = pm + (n > 0 ? pos[0] : 0);
+    if (!consecutive) {
+      for (int i = 0; i < n; i += 16) {
+        const __m512i at = _mm512_maskz_loadu_epi32(lanes(i), pos + i);
+        _mm512_mask_storeu_ps(gathered + i, lanes(i),
+                              _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes(i), at, pm, 4));
+      }
+      rows = gathered;
+    }
+    __m512 top = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16)
+      top = _mm512_max_ps(top, _mm512_maskz_loadu_ps(lanes(i), rows + i));
+    const float largest = _mm512_reduce_max_ps(top);
+    const __m512 to_fixed = _mm512_set1_ps(largest > 0.f ? kPairScale / largest : 0.f);
+    unit[m] = largest / kPairScale;
+    int16_t* fm = fixed + m * stride;
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < n; i += 16) {
+      const __m512 row_p = _mm512_maskz_loadu_ps(lanes(i), rows + i);
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(row_p, to_fixed));
+      sum = _mm512_add_epi32(sum, v);
+      _mm512_mask_cvtepi32_storeu_epi16(fm + i, lanes(i), v);
+    }
+    fm[n] = 0;  // the odd row's partner
+    fixed_sum[m] = _mm512_reduce_add_epi32(sum);
+  }
+  const TritPairs& tp = D == 64 ? kTritPairs64 : kTritPairs128;
+  const __mmask64 even_bytes = 0x5555555555555555ull;
+  const __m512i three = _mm512_set1_epi16(3);
+  const int64_t bytes = (int64_t(n) * D + 4) / 5;
+  const int pairs = (n + 1) / 2;
+  constexpr int Q = MB <= 4 ? 4 : 2;  // quarters a pass: MB Q sums in registers
+  for (int q0 = 0; q0 < D / 16; q0 += Q) {
+    __m512i acc[MB][Q];
+    for (int m = 0; m < MB; ++m)
+      for (int q = 0; q < Q; ++q) acc[m][q] = _mm512_setzero_si512();
+    auto add_pair = [&](__m512i raw, int k, int j) {
+      __m512i pair[MB];
+      for (int m = 0; m < MB; ++m) {
+        int32_t word;
+        std::memcpy(&word, fixed + m * stride + 2 * j, 4);
+        pair[m] = _mm512_set1_epi32(word);
+      }
+      for (int q = 0; q < Q; ++q) {
+        const __m512i b16 = _mm512_maskz_permutexvar_epi8(even_bytes, tp.perm[k][q0 + q], raw);
+        const __m512i digits =
+            _mm512_mulhi_epu16(_mm512_mullo_epi16(b16, tp.mul[k][q0 + q]), three);
+        for (int m = 0; m < MB; ++m) acc[m][q] = _mm512_dpwssd_epi32(acc[m][q], digits, pair[m]);
+      }
+    };
+    int j = 0;
+    // whole blocks of ten rows whose last pair's 64 bytes lie in the stream
+    for (; j + 5 <= pairs && int64_t(j / 5) * 2 * D + tp.offset[4] + 64 <= bytes; j += 5) {
+      const uint8_t* block = src + int64_t(j / 5) * 2 * D;
+#pragma GCC unroll 5
+      for (int k = 0; k < 5; ++k) add_pair(_mm512_loadu_si512(block + tp.offset[k]), k, j + k);
+    }
+    for (; j < pairs; ++j) {
+      const int64_t at = int64_t(j / 5) * 2 * D + tp.offset[j % 5];
+      const __m512i raw = at + 64 <= bytes
+                              ? _mm512_loadu_si512(src + at)
+                              : _mm512_maskz_loadu_epi8((1ull << (bytes - at)) - 1, src + at);
+      add_pair(raw, j % 5, j);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512i extra = _mm512_set1_epi32(fixed_sum[m]);
+      const __m512 u = _mm512_set1_ps(unit[m]);
+      for (int q = 0; q < Q; ++q)
+        _mm512_storeu_ps(acc_w + (m0 + m) * D + 16 * (q0 + q),
+                         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][q], extra)), u));
+    }
+  }
+}
+#define LOWBIT_PAIR_TRITS  // ternary_pair_sums takes D = 64 or 128
+#endif
 #else
 // Byte -> its five trits (base 3, value - 1); rows of 8 so one 8-byte copy writes a
 // byte's trits (the extra lanes are overwritten by the next byte).
@@ -1418,6 +1548,12 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
   halves_to_float(sv + d[TV_ALPHA], D, scale);
 #if defined(LOWBIT_FUSED_TRITS)
   if (D % LOWBIT_FUSED_TRITS == 0) {
+#if defined(LOWBIT_PAIR_TRITS)
+    if (D == 64 || D == 128) {
+      LOWBIT_FOR_BLOCKS(M, ternary_pair_sums, sv + d[TV_TRITS], n, D, pos + np, p, TP,
+                        s.w.data(), reinterpret_cast<int16_t*>(x))
+    } else
+#endif
     LOWBIT_FOR_BLOCKS(M, ternary_row_sums, sv + d[TV_TRITS], n, D, pos + np, p, TP, s.w.data())
     for (int m = 0; m < M; ++m) {
       const float* wm = s.w.data() + m * D;
