@@ -9,8 +9,9 @@ exactly to float32 (fp32, bf16 and fp16 queries alike) and work in float32;
 they differ in summation order (the kernel folds the query into each group's
 metadata and sums per group with an online softmax), so outputs agree to
 ``OUT_TOL`` (atol 5e-5, rtol 1e-4 on softmax-weighted values of unit scale)
-and log-sum-exps to ``LSE_TOL`` (atol 5e-5) for every query dtype; ternary values
-to that plus the bound of their fixed-point probabilities (``ternary_out_tol``).
+and log-sum-exps to ``LSE_TOL`` (atol 5e-5) for every query dtype; ternary and 2-
+and 4-bit KIVI values to that plus the bound of their fixed-point probabilities
+(``fixed_point_out_tol``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 
 from vllm_lowbit_kv.ops import (merge_attention, packed_attention_reference, select_implementation,
                                 unsupported_reason)
+from vllm_lowbit_kv.codecs.kivi import KiviCodec
 from vllm_lowbit_kv.codecs.vidkv import TernaryValueCodec
 from vllm_lowbit_kv.ops import cpu
 from vllm_lowbit_kv.paged import PagedLayout
@@ -41,16 +43,21 @@ BF16_OUT_TOL = dict(atol=2.5e-2, rtol=0)
 BF16_LSE_TOL = dict(atol=2.5e-2, rtol=0)
 
 
-def ternary_out_tol(layout, values: torch.Tensor) -> dict:
-    """OUT_TOL widened for ternary values summed two rows at a time (AVX-512 VNNI, head_dim
-    64 or 128): a group's probabilities in 32767 steps of their largest, each off by at most
-    half a step, move its value sums by at most T max|alpha| / 65534 of that largest,
-    and the output, normalized by a sum that holds every group's largest, by at most as
-    much. ``layout``: a PagedLayout or PageFormat; ``values``: the pages' decoded values or
-    the values they were encoded from (their largest magnitude bounds alpha)."""
-    if not isinstance(layout.value_codec, TernaryValueCodec) or not values.numel():
+def fixed_point_out_tol(layout, values: torch.Tensor) -> dict:
+    """OUT_TOL widened for value rows summed two at a time (AVX-512 VNNI, head_dim 64 or
+    128: trits, and 2- and 4-bit KIVI codes): a group's probabilities (KIVI per token: times
+    each token's scale) in 32767 steps of their largest, each off by at most half a step,
+    move its value sums by at most T / 65534 of that largest times a code's reach (a trit's
+    alpha: max|v|; a KIVI code's levels times its scale: a token's or channel's range,
+    2 max|v|), and the output, normalized by a sum that holds every group's largest
+    probability, by at most as much. ``layout``: a PagedLayout or PageFormat; ``values``:
+    the pages' decoded values or the values they were encoded from."""
+    codec = layout.value_codec
+    reach = (1 if isinstance(codec, TernaryValueCodec)
+             else 2 if isinstance(codec, KiviCodec) and codec.bits <= 4 else 0)
+    if not reach or not values.numel():
         return OUT_TOL
-    bound = layout.T * float(values.abs().max()) / 65534
+    bound = layout.T * reach * float(values.abs().max()) / 65534
     return dict(atol=OUT_TOL["atol"] + bound, rtol=OUT_TOL["rtol"])
 
 
@@ -115,7 +122,7 @@ def check(layout, pages, table, num_groups, q_start, query, skip, scale=0.125, o
     if out_tol is None:
         gids = torch.cat([table[r, :int(n)] for r, n in enumerate(num_groups)])
         values = layout.decode(layout.read_states(pages, gids))[1] if gids.numel() else gids
-        out_tol = ternary_out_tol(layout, values)
+        out_tol = fixed_point_out_tol(layout, values)
     n, Hq, D = query.shape
     out = torch.full((n, Hq, D), float("nan"))
     lse = torch.full((n, Hq), float("nan"))
@@ -478,7 +485,7 @@ def test_forward_layer_cpp_equals_torch(scheme, sinks, obs_window):
         _, outs = run_schedule(layout, pages, staging, alloc, seqs, tables, schedule,
                                obs_window=obs_window, packed_attention=fn)
         runs[impl] = (outs, pages)
-    tol = ternary_out_tol(layout, torch.cat([v.flatten() for _, v, _ in seqs]))  # alpha <= max|v|
+    tol = fixed_point_out_tol(layout, torch.cat([v.flatten() for _, v, _ in seqs]))
     for (_, _, _, a), (_, _, _, b) in zip(runs["torch"][0], runs["cpp"][0]):
         torch.testing.assert_close(b, a, **tol)
     assert torch.equal(runs["torch"][1], runs["cpp"][1])

@@ -22,7 +22,7 @@ from vllm_lowbit_kv.ops import (AUTO_ORDER, IMPLEMENTATIONS, KernelImplementatio
 from vllm_lowbit_kv.ops.page_format import PageFormat
 from vllm_lowbit_kv.schemes import SCHEMES, get_scheme
 
-from test_cpu_kernel import ternary_out_tol
+from test_cpu_kernel import fixed_point_out_tol
 
 DEVICES = ("cpu", "cuda")
 GQAS = (1, 3, 8, 32)
@@ -168,7 +168,7 @@ def test_accepted_cases_run_on_the_cpu(formats, scheme):
             reason = IMPLEMENTATIONS["cpp"].supports(fmt, "cpu", gqa)
             if reason is None:
                 out, lse = IMPLEMENTATIONS["cpp"].attention(*args)
-                torch.testing.assert_close(out, want_out, **ternary_out_tol(fmt, decoded[1]))
+                torch.testing.assert_close(out, want_out, **fixed_point_out_tol(fmt, decoded[1]))
                 torch.testing.assert_close(lse, want_lse, atol=5e-5, rtol=0)
             else:
                 with pytest.raises(ValueError) as refused:
@@ -190,7 +190,7 @@ def test_rotation_reads_q_m_and_returns_o_m_transposed(formats, scheme, dtype):
         for gqa in (1, 3):
             args, decoded, _ = random_case(fmt, gqa, seed=7 * D + gqa)
             # M spreads an output row's error over its D channels: at most sqrt(D) times
-            out_tol = ternary_out_tol(fmt, decoded[1] * D**0.5)
+            out_tol = fixed_point_out_tol(fmt, decoded[1] * D**0.5)
             query = args[0].to(dtype)
             rest = args[1:]
             plain_out, plain_lse = packed_attention_reference.__wrapped__(query.float() @ m,

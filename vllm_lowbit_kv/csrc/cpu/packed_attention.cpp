@@ -200,6 +200,16 @@ void decode_codes(const uint8_t* src, int64_t bytes, int64_t count, int bits, fl
   }
 }
 
+// psum[m0 + m] = sum_i p[(m0 + m) TP + pos[i]] over rows [0, n) for MB query vectors
+template <int MB>
+void probability_sums(const int* pos, int n, const float* p, int TP, float* psum, int m0) {
+  for (int m = 0; m < MB; ++m) {
+    float s[4] = {0.f, 0.f, 0.f, 0.f};  // independent partial sums
+    for (int i = 0; i < n; ++i) s[i & 3] += p[(m0 + m) * TP + pos[i]];
+    psum[m0 + m] = (s[0] + s[1]) + (s[2] + s[3]);
+  }
+}
+
 // Digit d of a byte b of five trits, in 16-bit lanes: ((b kTritMul[d] mod 2^16) 3) >> 16,
 // kTritMul[d] = ceil(2^16 / 3^(d + 1)) (exact for every b < 243: the fraction of
 // b / 3^(d + 1), times 3, floored)
@@ -339,11 +349,23 @@ void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const fl
 #define LOWBIT_FUSED_TRITS 64  // ternary_row_sums takes D a multiple of this
 
 #if defined(__AVX512VNNI__)
-// Rows A = 2k and B = 2k + 1 of every ten (2 D bytes, k < 5) for D = 64 or 128 both lie in
-// the 64 bytes from A's first byte, 2 k D / 5 (A's trits from digit 2 k D % 5 of it).
-// Quarter q (channels 16 q .. 16 q + 15): 16-bit lane 2i takes the byte of A's channel
-// 16 q + i, lane 2i + 1 that of B's (zero-extended), mul the kTritMul of each one's digit.
+// Value rows summed two at a time through VNNI (pair_sums), for head_dim 64 or 128 where
+// both rows of a pair lie in the 64 bytes from the first one's first byte: a query
+// vector's probabilities of the group's rows as 16-bit fixed point (32767 steps of their
+// largest, rounded to nearest: each off by at most half a step), a row pair's two in every
+// 32-bit lane, against the rows' codes in the lanes' 16-bit halves: one vpdpwssd adds both
+// rows' products for 16 channels, twice the float multiply-adds' work at their rate, and
+// the codes stay in 16-bit lanes (no float conversion). Integer sums are exact; the
+// output moves by at most T max|code| / 65534 of the largest probability.
+constexpr float kPairScale = 32767.f;  // the fixed point's full scale
+
+// Rows of trits (five a byte, rows back to back): rows A = 2k and B = 2k + 1 of every ten
+// (2 D bytes, k < 5) start in byte 2 k D / 5, at digit 2 k D % 5. Quarter q (channels
+// 16 q .. 16 q + 15): 16-bit lane 2i takes the byte of A's channel 16 q + i, lane 2i + 1
+// that of B's (zero-extended), mul the kTritMul of each one's digit; codes are the digits
+// (trit + 1).
 struct TritPairs {
+  static constexpr int kPhases = 5;
   int offset[5];
   __m512i perm[5][8], mul[5][8];
   explicit TritPairs(int D) {
@@ -363,40 +385,52 @@ struct TritPairs {
       }
     }
   }
+  int64_t start(int pair, int D) const { return int64_t(pair / 5) * 2 * D + offset[pair % 5]; }
+  __m512i codes(__m512i raw, int k, int q) const {
+    const __m512i b16 = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, perm[k][q], raw);
+    return _mm512_mulhi_epu16(_mm512_mullo_epi16(b16, mul[k][q]), _mm512_set1_epi16(3));
+  }
 };
 static const TritPairs kTritPairs64(64), kTritPairs128(128);
-constexpr float kPairScale = 32767.f;  // the 16-bit fixed point's full scale
 
-// ternary_row_sums for D = 64 or 128, two rows at a time through VNNI: a query vector's
-// probabilities of the group's rows as 16-bit fixed point (32767 steps of their largest,
-// rounded to nearest: each moves by at most half a step), a row pair's two in every
-// 32-bit lane, against the rows' digits (trit + 1) in the lanes' 16-bit halves: one
-// vpdpwssd adds both rows' products for 16 channels, twice the float multiply-adds' work
-// at their rate, and the digits stay in 16-bit lanes (no float conversion). Their extra 1
-// comes off with the sum of the fixed-point probabilities; integer sums are exact.
-// fixed: scratch of MB (n + 2) int16 and n floats.
+// Rows of D b-bit codes (b = 2 or 4, D b / 8 bytes each, back to back; a pair at most 64
+// bytes): quarter q's lane 2i takes the byte of A's channel 16 q + i, lane 2i + 1 B's,
+// shifted right to the code and masked.
+struct CodePairs {
+  static constexpr int kPhases = 1;
+  int row_bytes;
+  __m512i perm[8], shift[8], mask;
+  CodePairs(int D, int bits) : row_bytes(D * bits / 8), mask(_mm512_set1_epi16((1 << bits) - 1)) {
+    for (int q = 0; q < D / 16; ++q) {
+      alignas(64) uint8_t pm[64] = {};
+      alignas(64) uint16_t sh[32];
+      for (int lane = 0; lane < 32; ++lane) {
+        const int bit = (16 * q + lane / 2) * bits;
+        pm[2 * lane] = uint8_t((lane % 2) * row_bytes + bit / 8);
+        sh[lane] = uint16_t(bit % 8);
+      }
+      perm[q] = _mm512_load_si512(pm);
+      shift[q] = _mm512_load_si512(sh);
+    }
+  }
+  int64_t start(int pair, int) const { return int64_t(pair) * 2 * row_bytes; }
+  __m512i codes(__m512i raw, int, int q) const {
+    const __m512i b16 = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, perm[q], raw);
+    return _mm512_and_si512(_mm512_srlv_epi16(b16, shift[q]), mask);
+  }
+};
+static const CodePairs kCodePairs2x64(64, 2), kCodePairs2x128(128, 2), kCodePairs4x64(64, 4);
+
+// p[m * TP + i] for MB query vectors from m0 -> fixed[m * stride + i] (16-bit, rows
+// [0, n), row n 0), their step unit[m] and the sum of each one's fixed-point values
 template <int MB>
-void ternary_pair_sums(const uint8_t* src, int n, int D, const int* pos, const float* p, int TP,
-                       float* acc_w, int16_t* fixed, int m0) {
-  const int stride = (n + 2) & ~1;  // even, so that every pair is one aligned 32-bit word
-  float* gathered = reinterpret_cast<float*>(fixed + MB * stride);
-  float unit[MB];  // the probability of one fixed-point step
-  int32_t fixed_sum[MB];
-  const bool consecutive = n > 0 && pos[n - 1] - pos[0] == n - 1;  // pos ascends
+void fixed_point_rows(int n, const float* p, int TP, int m0, int stride, int16_t* fixed,
+                      float* unit, int32_t* fixed_sum) {
   auto lanes = [n](int i) {  // rows [i, i + 16) that exist
     return n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
   };
   for (int m = 0; m < MB; ++m) {
-    const float* pm = p + (m0 + m) * TP;
-    const float* rows = pm + (n > 0 ? pos[0] : 0);
-    if (!consecutive) {
-      for (int i = 0; i < n; i += 16) {
-        const __m512i at = _mm512_maskz_loadu_epi32(lanes(i), pos + i);
-        _mm512_mask_storeu_ps(gathered + i, lanes(i),
-                              _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes(i), at, pm, 4));
-      }
-      rows = gathered;
-    }
+    const float* rows = p + (m0 + m) * TP;
     __m512 top = _mm512_setzero_ps();
     for (int i = 0; i < n; i += 16)
       top = _mm512_max_ps(top, _mm512_maskz_loadu_ps(lanes(i), rows + i));
@@ -414,10 +448,19 @@ void ternary_pair_sums(const uint8_t* src, int n, int D, const int* pos, const f
     fm[n] = 0;  // the odd row's partner
     fixed_sum[m] = _mm512_reduce_add_epi32(sum);
   }
-  const TritPairs& tp = D == 64 ? kTritPairs64 : kTritPairs128;
-  const __mmask64 even_bytes = 0x5555555555555555ull;
-  const __m512i three = _mm512_set1_epi16(3);
-  const int64_t bytes = (int64_t(n) * D + 4) / 5;
+}
+
+// acc_w[m * D + c] = sum_i p[m * TP + i] (code(i, c) - offset) for MB query vectors from
+// m0 over rows [0, n) of `rows` (a stream of `bytes` bytes); fixed: scratch of MB (n + 2)
+// int16
+template <int MB, typename Pairs>
+void pair_sums(const Pairs& rows, const uint8_t* src, int64_t bytes, int n, int D, int offset,
+               const float* p, int TP, float* acc_w, int16_t* fixed, int m0) {
+  const int stride = (n + 2) & ~1;  // even, so that every pair is one aligned 32-bit word
+  float unit[MB];
+  int32_t fixed_sum[MB];
+  fixed_point_rows<MB>(n, p, TP, m0, stride, fixed, unit, fixed_sum);
+  constexpr int K = Pairs::kPhases;
   const int pairs = (n + 1) / 2;
   constexpr int Q = MB <= 4 ? 4 : 2;  // quarters a pass: MB Q sums in registers
   for (int q0 = 0; q0 < D / 16; q0 += Q) {
@@ -432,28 +475,26 @@ void ternary_pair_sums(const uint8_t* src, int n, int D, const int* pos, const f
         pair[m] = _mm512_set1_epi32(word);
       }
       for (int q = 0; q < Q; ++q) {
-        const __m512i b16 = _mm512_maskz_permutexvar_epi8(even_bytes, tp.perm[k][q0 + q], raw);
-        const __m512i digits =
-            _mm512_mulhi_epu16(_mm512_mullo_epi16(b16, tp.mul[k][q0 + q]), three);
-        for (int m = 0; m < MB; ++m) acc[m][q] = _mm512_dpwssd_epi32(acc[m][q], digits, pair[m]);
+        const __m512i codes = rows.codes(raw, k, q0 + q);
+        for (int m = 0; m < MB; ++m) acc[m][q] = _mm512_dpwssd_epi32(acc[m][q], codes, pair[m]);
       }
     };
     int j = 0;
-    // whole blocks of ten rows whose last pair's 64 bytes lie in the stream
-    for (; j + 5 <= pairs && int64_t(j / 5) * 2 * D + tp.offset[4] + 64 <= bytes; j += 5) {
-      const uint8_t* block = src + int64_t(j / 5) * 2 * D;
+    // K pairs at a time (the phases' whole period) while their last 64 bytes are in the stream
+    for (; j + K <= pairs && rows.start(j + K - 1, D) + 64 <= bytes; j += K) {
 #pragma GCC unroll 5
-      for (int k = 0; k < 5; ++k) add_pair(_mm512_loadu_si512(block + tp.offset[k]), k, j + k);
+      for (int k = 0; k < K; ++k)
+        add_pair(_mm512_loadu_si512(src + rows.start(j + k, D)), k, j + k);
     }
     for (; j < pairs; ++j) {
-      const int64_t at = int64_t(j / 5) * 2 * D + tp.offset[j % 5];
+      const int64_t at = rows.start(j, D);
       const __m512i raw = at + 64 <= bytes
                               ? _mm512_loadu_si512(src + at)
                               : _mm512_maskz_loadu_epi8((1ull << (bytes - at)) - 1, src + at);
-      add_pair(raw, j % 5, j);
+      add_pair(raw, j % K, j);
     }
     for (int m = 0; m < MB; ++m) {
-      const __m512i extra = _mm512_set1_epi32(fixed_sum[m]);
+      const __m512i extra = _mm512_set1_epi32(fixed_sum[m] * offset);
       const __m512 u = _mm512_set1_ps(unit[m]);
       for (int q = 0; q < Q; ++q)
         _mm512_storeu_ps(acc_w + (m0 + m) * D + 16 * (q0 + q),
@@ -461,7 +502,32 @@ void ternary_pair_sums(const uint8_t* src, int n, int D, const int* pos, const f
     }
   }
 }
-#define LOWBIT_PAIR_TRITS  // ternary_pair_sums takes D = 64 or 128
+
+// ternary_row_sums through pair_sums for consecutive rows (pos[i] = pos[0] + i) and
+// D = 64 or 128
+template <int MB>
+void ternary_pair_sums(const uint8_t* src, int n, int D, const int* pos, const float* p, int TP,
+                       float* acc_w, int16_t* fixed, int m0) {
+  pair_sums<MB>(D == 64 ? kTritPairs64 : kTritPairs128, src, (int64_t(n) * D + 4) / 5, n, D, 1,
+                p + pos[0], TP, acc_w, fixed, m0);
+}
+#define LOWBIT_PAIR_SUMS  // pair_sums: trits of D = 64 or 128 and the code_pairs rows
+
+// the code pairs of `bits`-bit rows of D channels, nullptr where pair_sums cannot take them
+inline const CodePairs* code_pairs(int D, int bits) {
+  if (bits == 2) return D == 64 ? &kCodePairs2x64 : D == 128 ? &kCodePairs2x128 : nullptr;
+  return bits == 4 && D == 64 ? &kCodePairs4x64 : nullptr;
+}
+
+// row_sums over consecutive rows of `bits`-bit codes through pair_sums (psum: sum_i p_i
+// per query vector, float32, where given)
+template <int MB>
+void code_pair_sums(const CodePairs* rows, const uint8_t* src, int n, int D, const int* pos,
+                    const float* p, int TP, float* acc_w, float* psum, int16_t* fixed, int m0) {
+  if (psum) probability_sums<MB>(pos, n, p, TP, psum, m0);
+  pair_sums<MB>(*rows, src, int64_t(n) * rows->row_bytes, n, D, 0, p + pos[0], TP, acc_w, fixed,
+                m0);
+}
 #endif
 #else
 // Byte -> its five trits (base 3, value - 1); rows of 8 so one 8-byte copy writes a
@@ -1014,13 +1080,7 @@ void row_sums_block(const X& x, const int* pos, int rows, const float* p, int TP
 template <int MB, typename X>
 void row_sums(const X& x, const int* pos, int rows, int D, const float* p, int TP,
               float* acc_w, float* psum, int m0) {
-  if (psum) {
-    for (int m = 0; m < MB; ++m) {
-      float s[4] = {0.f, 0.f, 0.f, 0.f};  // independent partial sums
-      for (int i = 0; i < rows; ++i) s[i & 3] += p[(m0 + m) * TP + pos[i]];
-      psum[m0 + m] = (s[0] + s[1]) + (s[2] + s[3]);
-    }
-  }
+  if (psum) probability_sums<MB>(pos, rows, p, TP, psum, m0);
   // blocks of up to 4 vectors of channels
   constexpr int CB = 4;
   for (int c0 = 0; c0 < D; c0 += CB * L) {
@@ -1434,12 +1494,8 @@ void key_scores(const Format& f, const uint8_t* st, const float* q, int M, float
 }
 
 // -- values: acc[m * D + c] += sum_t p[m * TP + t] v_tc -------------------------------------
-// acc += a[c] * (sum_i p_i x_ic) + b[c] * (sum_i p_i) over the given rows of x
-template <typename X>
-void accumulate(const X& x, const int* pos, int rows, const float* p, int M, int D, int TP,
-                const float* a, const float* b, float* acc, Scratch& s) {
-  // sum_i p_i only matters with an offset b
-  LOWBIT_FOR_BLOCKS(M, row_sums, x, pos, rows, D, p, TP, s.w.data(), b ? s.psum.data() : nullptr)
+// acc[m] += a w_m (+ b psum_m) from the sums in s.w (and s.psum)
+void fold_sums(const float* a, const float* b, int M, int D, float* acc, Scratch& s) {
   for (int m = 0; m < M; ++m) {
     const float* wm = s.w.data() + m * D;
     float* am = acc + m * D;
@@ -1454,6 +1510,15 @@ void accumulate(const X& x, const int* pos, int rows, const float* p, int M, int
   }
 }
 
+// acc += a[c] * (sum_i p_i x_ic) + b[c] * (sum_i p_i) over the given rows of x
+template <typename X>
+void accumulate(const X& x, const int* pos, int rows, const float* p, int M, int D, int TP,
+                const float* a, const float* b, float* acc, Scratch& s) {
+  // sum_i p_i only matters with an offset b
+  LOWBIT_FOR_BLOCKS(M, row_sums, x, pos, rows, D, p, TP, s.w.data(), b ? s.psum.data() : nullptr)
+  fold_sums(a, b, M, D, acc, s);
+}
+
 int64_t code_bytes(int64_t count, int bits) { return (count * bits + 7) / 8; }
 
 // accumulate over rows of D b-bit codes (b = 2, 4 or 8; D * b a multiple of 32 bits)
@@ -1461,6 +1526,16 @@ void accumulate_codes(const uint8_t* codes, int bits, const int* pos, int rows, 
                       int M, int D, int TP, const float* a, const float* b, float* acc,
                       Scratch& s) {
   const int rb = D * bits / 8;
+#if defined(LOWBIT_PAIR_SUMS)
+  // consecutive rows only (STP's protected ones are scattered, and too few to pay for
+  // gathering their probabilities)
+  const CodePairs* pairs = code_pairs(D, bits);
+  if (pairs && rows > 0 && pos[rows - 1] - pos[0] == rows - 1) {
+    LOWBIT_FOR_BLOCKS(M, code_pair_sums, pairs, codes, rows, D, pos, p, TP, s.w.data(),
+                      b ? s.psum.data() : nullptr, reinterpret_cast<int16_t*>(s.x.data()))
+    return fold_sums(a, b, M, D, acc, s);
+  }
+#endif
   switch (bits) {
     case 2: return accumulate(CodeRows<2>{codes, rb}, pos, rows, p, M, D, TP, a, b, acc, s);
     case 4: return accumulate(CodeRows<4>{codes, rb}, pos, rows, p, M, D, TP, a, b, acc, s);
@@ -1548,20 +1623,14 @@ void accumulate_values(const Format& f, const uint8_t* sv, float* p, int M, floa
   halves_to_float(sv + d[TV_ALPHA], D, scale);
 #if defined(LOWBIT_FUSED_TRITS)
   if (D % LOWBIT_FUSED_TRITS == 0) {
-#if defined(LOWBIT_PAIR_TRITS)
-    if (D == 64 || D == 128) {
+#if defined(LOWBIT_PAIR_SUMS)
+    if ((D == 64 || D == 128) && n > 0 && np == 0) {  // consecutive rows (no STP)
       LOWBIT_FOR_BLOCKS(M, ternary_pair_sums, sv + d[TV_TRITS], n, D, pos + np, p, TP,
                         s.w.data(), reinterpret_cast<int16_t*>(x))
     } else
 #endif
     LOWBIT_FOR_BLOCKS(M, ternary_row_sums, sv + d[TV_TRITS], n, D, pos + np, p, TP, s.w.data())
-    for (int m = 0; m < M; ++m) {
-      const float* wm = s.w.data() + m * D;
-      float* am = acc + m * D;
-#pragma omp simd
-      for (int c = 0; c < D; ++c) am[c] += scale[c] * wm[c];
-    }
-    return;
+    return fold_sums(scale, nullptr, M, D, acc, s);
   }
 #endif
   int8_t* trits = reinterpret_cast<int8_t*>(x);
