@@ -37,10 +37,11 @@
 // code rows are transposed 16 rows at a time by byte permutes, elsewhere repacked. Value
 // codes (KIVI 2/4/8-bit, STP rows) and trits are decoded in registers as they are summed
 // (AVX-512 or AVX2; the generic conversions, for any other CPU, are scalar loops). With
-// AVX-512 VNNI and head_dim 64 or 128, trits are summed two rows at a time in integers
-// (ternary_pair_sums): the group's probabilities in 32767 steps of their largest (each
-// off by at most half a step, finer than the bf16 probabilities of flash attention's and
-// vLLM's bf16 paths), so the output moves by at most T max|alpha| / 65534.
+// AVX-512 VNNI and head_dim 64 or 128, consecutive rows of trits and of 2- and 4-bit codes
+// are summed two at a time in integers (pair_sums): the group's probabilities in 32767
+// steps of their largest (each off by at most half a step, finer than the bf16
+// probabilities of flash attention's and vLLM's bf16 paths), so the output moves by at
+// most T max|code value| / 65534 (a trit's alpha; a code's levels times its scale).
 //
 // RVQ pages (seed 001: each token's head vector as K codeword indices per channel group,
 // times its std; the layer's codebooks, float32, passed beside the pages): where the item
