@@ -24,7 +24,11 @@ derived from the :class:`~vllm_lowbit_kv.ops.page_format.PageFormat`
 folder per CPU): key columns of low-bit codes are read through lookup tables (T-MAC
 style; AVX-512: per nibble of 1-/2-bit codes, AVX2: per pair of 1-bit codes), ternary and
 KIVI value codes decoded in registers; with AVX-512 VBMI byte-aligned key code rows are
-transposed by byte permutes. Builds without VBMI (``LOWBIT_KV_CPU_MARCH=skylake-avx512``),
+transposed by byte permutes, and with VNNI too consecutive value rows of trits or of 2- and
+4-bit codes (head_dim 64 or 128) are summed two at a time as 16-bit integer products: the
+probabilities in 32767 steps of their group's largest, so the output is within
+T max|code value| / 65534 of float32's (``tests/test_cpu_kernel.py``,
+``fixed_point_out_tol``). Builds without VBMI (``LOWBIT_KV_CPU_MARCH=skylake-avx512``),
 without AVX-512 (``x86-64-v3``) and without AVX2 (``x86-64-v2``: the portable paths,
 scalar conversions) are checked by tests on machines that can run them. One known
 difference from the reference codecs: they clamp decoded VidKV/ternary elements to
