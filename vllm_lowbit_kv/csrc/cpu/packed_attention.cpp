@@ -237,9 +237,18 @@ struct TritSimd {
 };
 static const TritSimd kTritSimd;
 
+// the digits (trit + 1) of bytes zero-extended in 16-bit lanes, mul the kTritMul of each
+inline __m512i trit_digits(__m512i bytes16, __m512i mul) {
+  return _mm512_mulhi_epu16(_mm512_mullo_epi16(bytes16, mul), _mm512_set1_epi16(3));
+}
+
 inline __m512i trits16(__m512i bytes16, __m512i mul) {
-  const __m512i frac = _mm512_mullo_epi16(bytes16, mul);
-  return _mm512_sub_epi16(_mm512_mulhi_epu16(frac, _mm512_set1_epi16(3)), _mm512_set1_epi16(1));
+  return _mm512_sub_epi16(trit_digits(bytes16, mul), _mm512_set1_epi16(1));
+}
+
+// the bytes of raw that perm's even bytes select, zero-extended into 16-bit lanes
+inline __m512i bytes_to_words(__m512i perm, __m512i raw) {
+  return _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, perm, raw);
 }
 
 // n trits -> int8 in {-1, 0, 1}; dst holds round_up(n, 64) bytes
@@ -294,15 +303,13 @@ static const TritLanes kTritLanes;
 template <int MB>
 void ternary_row_sums(const uint8_t* src, int n, int D, const int* pos, const float* p, int TP,
                       float* acc_w, int m0) {
-  const __mmask64 even_bytes = 0x5555555555555555ull;
   const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
   const int64_t bytes = (int64_t(n) * D + 4) / 5;
   // row i's 64-trit vector j of the stream (as phase j of its 64 bytes) into the sums
   auto add_row = [&](__m512 (*acc)[4], __m512i raw, int j, int i) {
     __m512 x[4];
     for (int h = 0; h < 2; ++h) {
-      const __m512i bytes16 =
-          _mm512_maskz_permutexvar_epi8(even_bytes, kTritLanes.perm[j][h], raw);
+      const __m512i bytes16 = bytes_to_words(kTritLanes.perm[j][h], raw);
       const __m512i bf = _mm512_slli_epi16(trits16(bytes16, kTritLanes.mul[j][h]), 14);
       x[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(bf, 16));
       x[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(bf, top));
@@ -388,8 +395,7 @@ struct TritPairs {
   }
   int64_t start(int pair, int D) const { return int64_t(pair / 5) * 2 * D + offset[pair % 5]; }
   __m512i codes(__m512i raw, int k, int q) const {
-    const __m512i b16 = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, perm[k][q], raw);
-    return _mm512_mulhi_epu16(_mm512_mullo_epi16(b16, mul[k][q]), _mm512_set1_epi16(3));
+    return trit_digits(bytes_to_words(perm[k][q], raw), mul[k][q]);
   }
 };
 static const TritPairs kTritPairs64(64), kTritPairs128(128);
@@ -416,8 +422,7 @@ struct CodePairs {
   }
   int64_t start(int pair, int) const { return int64_t(pair) * 2 * row_bytes; }
   __m512i codes(__m512i raw, int, int q) const {
-    const __m512i b16 = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, perm[q], raw);
-    return _mm512_and_si512(_mm512_srlv_epi16(b16, shift[q]), mask);
+    return _mm512_and_si512(_mm512_srlv_epi16(bytes_to_words(perm[q], raw), shift[q]), mask);
   }
 };
 static const CodePairs kCodePairs2x64(64, 2), kCodePairs2x128(128, 2), kCodePairs4x64(64, 4);
