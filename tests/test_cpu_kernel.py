@@ -533,6 +533,66 @@ def test_decode_exact_part_read_in_place_equals_gathered(scheme, sinks, window):
         torch.testing.assert_close(a, b, **DENSE_TOL)
 
 
+@pytest.mark.parametrize("staging_dtype", ["int8", "model"])
+@pytest.mark.parametrize("D,Hq,H", [(64, 9, 3), (192, 9, 1), (16, 4, 4)])
+def test_decode_exact_part_equals_float64_attention(D, Hq, H, staging_dtype):
+    """The exact part of decode rows equals float64 attention over the same keys and values
+    (int8 staging widened by its scales): head_dims of one, four and twelve vectors (more
+    than one pass of score channels), query heads per KV head 1, 3 and 9 (more than one
+    pass of value sums), runs of 0-300 staged tokens with holes (-inf bias) and a request
+    with no live key; the other rows poisoned and left alone."""
+    from vllm_lowbit_kv.paged.write import StagedTokens
+
+    g = torch.Generator().manual_seed(D + Hq)
+    B, T, sinks, slots_each = 4, 64, 2, 5
+    E = sinks + slots_each * T + 1
+    n = B + 2  # rows 0 and 5 belong to no request
+    rows = torch.arange(1, B + 1)
+    q = torch.randn(n, Hq, D, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(n, H, D, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(n, H, D, generator=g, dtype=torch.bfloat16)
+    staged_k = StagedTokens.allocate((B * slots_each, T, H, D), torch.bfloat16, staging_dtype)
+    staged_v = StagedTokens.allocate((B * slots_each, T, H, D), torch.bfloat16, staging_dtype)
+    for staged in (staged_k, staged_v):
+        if staged.scale is None:
+            staged.data.copy_(torch.randn(staged.data.shape, generator=g).bfloat16())
+        else:
+            staged.data.copy_(torch.randint(-127, 128, staged.data.shape, generator=g))
+            staged.scale.copy_(torch.rand(staged.scale.shape, generator=g) / 64)
+    sink_kv = torch.randn(B + 1, 2, sinks, H, D, generator=g).bfloat16()
+    sink_blocks = torch.tensor([3, 0, 4, 1])
+    tail_slots = torch.randperm(B * slots_each, generator=g).reshape(B, slots_each)
+    bias = torch.zeros(B, E)
+    lengths = [300, 17, 0, 161]  # staged tokens per request
+    for b, length in enumerate(lengths):
+        bias[b, sinks + length:E - 1] = float("-inf")
+        bias[b, torch.rand(E, generator=g) < 0.1] = float("-inf")  # holes anywhere
+    bias[2] = float("-inf")  # no live key
+    out = torch.full((n, Hq, D), float("nan"))
+    lse = torch.full((n, Hq), float("nan"))
+    assert cpu.exact_decode_attention(q, rows, bias, sink_kv, sink_blocks, sinks, staged_k,
+                                      staged_v, tail_slots, k, v, 0.125, out, lse)
+    run_k = staged_k.read_run(tail_slots, slots_each * T).double()
+    run_v = staged_v.read_run(tail_slots, slots_each * T).double()
+    for b in range(B):
+        r = int(rows[b])
+        keys = torch.cat([sink_kv[sink_blocks[b], 0].double(), run_k[b], k[r:r + 1].double()])
+        values = torch.cat([sink_kv[sink_blocks[b], 1].double(), run_v[b], v[r:r + 1].double()])
+        live = bias[b] == 0
+        for qh in range(Hq):
+            h = qh // (Hq // H)
+            if not live.any():
+                assert torch.equal(out[r, qh], torch.zeros(D))
+                assert lse[r, qh] == float("-inf")
+                continue
+            scores = 0.125 * keys[live, h] @ q[r, qh].double()
+            want_lse = torch.logsumexp(scores, 0)
+            want = torch.softmax(scores, 0) @ values[live, h]
+            torch.testing.assert_close(out[r, qh].double(), want, **DENSE_TOL)
+            torch.testing.assert_close(lse[r, qh].double(), want_lse, **DENSE_TOL)
+    assert out[[0, n - 1]].isnan().all() and lse[[0, n - 1]].isnan().all()
+
+
 def test_decode_exact_part_refuses_indices_outside_its_buffers():
     """A sink block or staging slot outside the buffers is an error naming it, not a read
     of whatever memory lies there."""

@@ -9,7 +9,10 @@
 // out[row, q] = sum_e softmax_e(scale q . k_e + bias_e) v_e and lse[row, q] its log-sum-exp,
 // float32 throughout (float32 attention up to summation order); query head q reads KV head
 // q / G. One work item per (request, KV head): its live keys and values widened to float32
-// once, then scores, softmax and value sums for the G query heads that share them.
+// once, then scores, softmax and value sums for the G query heads that share them. Scores
+// L keys at a time (each key's products summed lane-wise, then the L sums of L vectors by
+// one butterfly: about 3 instructions a key, where a horizontal sum per key took 8); value
+// sums for up to kHeadsPerPass heads at once, so that each value row is loaded once.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,15 +42,95 @@ struct Staged {  // one staged tensor [S, T, H, D] and its scales [S, T, H, 1] (
   }
 };
 
-// o[0, NV L) = inv * sum_j p[j] v[j * D + (0, NV L)]: NV vectors of sums kept in registers
-template <int NV>
-void value_sums(const float* p, int n, const float* v, int64_t D, float inv, float* o) {
-  vf a[NV] = {};
-  for (int j = 0; j < n; ++j) {
-    const vf pj = splat(p[j]);
-    for (int u = 0; u < NV; ++u) a[u] += pj * loadf(v + j * D + u * L);
+// One butterfly stage of lane_sums: vector i and vector i + COUNT / 2 give their blocks of 2H
+// lanes as blocks of H (each lane the sum of a lane and the one H after it), side by side
+template <int H, int COUNT>
+inline void halve_blocks(vf* x) {
+  const vi lane = iota(), block = lane / H;
+  const vi lo = (block & 1) * L + (block >> 1) * (2 * H) + lane % H, hi = lo + H;
+  for (int i = 0; i < COUNT / 2; ++i) {
+    const vf a = x[i], b = x[i + COUNT / 2];
+    x[i] = __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
   }
-  for (int u = 0; u < NV; ++u) storef(o + u * L, a[u] * inv);
+  if constexpr (H > 1) halve_blocks<H / 2, COUNT / 2>(x);
+}
+
+// lane j of the result = the sum of x[j]'s lanes, for L vectors x (overwritten): log2(L)
+// stages of halve_blocks, the blocks in vector order at the end
+inline vf lane_sums(vf* x) {
+  halve_blocks<L / 2, L>(x);
+  return x[0];
+}
+
+// sc[j] = scale q . k_j + bias[j] for keys j in [0, n) over NC L channels (the query's
+// vectors in registers; rows of k ld floats apart), or sc[j] += scale q . k_j without bias;
+// sc holds round_up(n) floats, the lanes past n junk
+template <int NC>
+void key_scores(const float* q, const float* k, int64_t ld, int n, float scale,
+                const float* bias, float* sc) {
+  vf qv[NC];
+  for (int u = 0; u < NC; ++u) qv[u] = loadf(q + u * L);
+  for (int j0 = 0; j0 < n; j0 += L) {
+    vf part[L];
+    for (int jj = 0; jj < L; ++jj) {
+      const float* row = k + (j0 + std::min(jj, n - 1 - j0)) * ld;  // past n: a real row
+      vf a = qv[0] * loadf(row), b = vf{};  // two chains of multiply-adds
+      for (int u = 1; u < NC; ++u) (u % 2 ? b : a) += qv[u] * loadf(row + u * L);
+      part[jj] = a + b;
+    }
+    storef(sc + j0, lane_sums(part) * scale + loadf(bias ? bias + j0 : sc + j0));
+  }
+}
+
+// key_scores over all D channels (a multiple of L), at most 8 vectors at a time
+inline void score_keys(const float* q, const float* k, int n, int64_t D, float scale,
+                       const float* bias, float* sc) {
+  for (int64_t c = 0; c < D; c += 8 * L, bias = nullptr) {
+    switch (std::min<int64_t>(8, (D - c) / L)) {
+      case 1: key_scores<1>(q + c, k + c, D, n, scale, bias, sc); break;
+      case 2: key_scores<2>(q + c, k + c, D, n, scale, bias, sc); break;
+      case 3: key_scores<3>(q + c, k + c, D, n, scale, bias, sc); break;
+      case 4: key_scores<4>(q + c, k + c, D, n, scale, bias, sc); break;
+      case 5: key_scores<5>(q + c, k + c, D, n, scale, bias, sc); break;
+      case 6: key_scores<6>(q + c, k + c, D, n, scale, bias, sc); break;
+      case 7: key_scores<7>(q + c, k + c, D, n, scale, bias, sc); break;
+      default: key_scores<8>(q + c, k + c, D, n, scale, bias, sc);
+    }
+  }
+}
+
+constexpr int kHeadsPerPass = 4;
+
+// o_g[c0, c0 + NV L) = inv[g] sum_j p_g[j] v[j * D + c0 + (0, NV L)] for GB heads g (p_g at
+// p + g ldp): the GB NV sums in registers, every value vector loaded once for all GB heads
+template <int NV, int GB>
+void value_sums(const float* p, int64_t ldp, int n, const float* v, int64_t D, int64_t c0,
+                const float* inv, float* const* o) {
+  vf a[GB][NV] = {};
+  for (int j = 0; j < n; ++j) {
+    vf x[NV];
+    for (int u = 0; u < NV; ++u) x[u] = loadf(v + j * D + c0 + u * L);
+    for (int g = 0; g < GB; ++g) {
+      const vf pj = splat(p[g * ldp + j]);
+      for (int u = 0; u < NV; ++u) a[g][u] += pj * x[u];
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int u = 0; u < NV; ++u) storef(o[g] + c0 + u * L, a[g][u] * inv[g]);
+}
+
+template <int NV>
+void value_sums_heads(const float* p, int64_t ldp, int G, int n, const float* v, int64_t D,
+                      int64_t c0, const float* inv, float* const* o) {
+  for (int g = 0; g < G; g += kHeadsPerPass) {
+    const float* pg = p + g * ldp;
+    switch (std::min(kHeadsPerPass, G - g)) {
+      case 1: value_sums<NV, 1>(pg, ldp, n, v, D, c0, inv + g, o + g); break;
+      case 2: value_sums<NV, 2>(pg, ldp, n, v, D, c0, inv + g, o + g); break;
+      case 3: value_sums<NV, 3>(pg, ldp, n, v, D, c0, inv + g, o + g); break;
+      default: value_sums<NV, 4>(pg, ldp, n, v, D, c0, inv + g, o + g);
+    }
+  }
 }
 
 }  // namespace
@@ -125,10 +208,12 @@ void exact_decode_attention(const at::Tensor& query, const at::Tensor& rows,
                 "tail_slots: slot ", slots[i], " outside the staging buffers");
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    const size_t keys = size_t(E), width = size_t(D);
+    const size_t keys = size_t(E), width = size_t(D), padded = size_t(round_up(int(E)));
     std::vector<float> krows(keys * width), vrows(keys * width), q(size_t(G) * width);
-    const size_t padded = size_t(round_up(int(E)));
-    std::vector<float> live_bias(keys), sc(padded);
+    std::vector<float> live_bias(padded), sc(size_t(G) * padded);
+    std::vector<float> mrun(G), lsum(G), corr(G), inv(G);
+    std::vector<int> ends(G);
+    std::vector<float*> o(G);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = it / H, h = it % H, row = row_of[b];
       // the live keys and values, widened; live bias kept beside them
@@ -151,27 +236,32 @@ void exact_decode_attention(const at::Tensor& query, const at::Tensor& rows,
         }
         live_bias[live++] = bias_e;
       }
-      const float score_scale = float(scale);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t qh = h * G + g;
         float* qv = q.data() + g * D;
         q_in.row(row, qh, 0, 0, D, 1.f, qv);
-        for (int j = 0; j < live; ++j)
-          sc[j] = score_scale * dot(qv, krows.data() + size_t(j) * D, int(D)) + live_bias[j];
-        float mrun = kNoKey, lsum = 0.f, corr;
-        softmax_rows(sc.data(), 1, 0, round_up(live), 0, &live, 1.f, &mrun, &lsum, nullptr, 0,
-                     &corr);
-        const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
-        float* o = out_p + (row * Hq + qh) * D;
-        for (int64_t c0 = 0; c0 < D; c0 += 4 * L) {
-          switch (std::min<int64_t>(4, (D - c0) / L)) {
-            case 1: value_sums<1>(sc.data(), live, vrows.data() + c0, D, inv, o + c0); break;
-            case 2: value_sums<2>(sc.data(), live, vrows.data() + c0, D, inv, o + c0); break;
-            case 3: value_sums<3>(sc.data(), live, vrows.data() + c0, D, inv, o + c0); break;
-            default: value_sums<4>(sc.data(), live, vrows.data() + c0, D, inv, o + c0);
-          }
+        if (live) score_keys(qv, krows.data(), live, D, float(scale), live_bias.data(),
+                             sc.data() + g * padded);
+        mrun[g] = kNoKey;
+        lsum[g] = 0.f;
+        ends[g] = live;
+        o[g] = out_p + (row * Hq + qh) * D;
+      }
+      softmax_rows(sc.data(), int(G), int64_t(padded), round_up(live), 0, ends.data(), 1.f,
+                   mrun.data(), lsum.data(), nullptr, 0, corr.data());
+      for (int64_t g = 0; g < G; ++g) {
+        inv[g] = lsum[g] > 0.f ? 1.f / lsum[g] : 0.f;
+        lse_p[row * Hq + h * G + g] = lsum[g] > 0.f ? mrun[g] + std::log(lsum[g]) : kNoKey;
+      }
+      for (int64_t c0 = 0; c0 < D; c0 += 4 * L) {
+        const float* p = sc.data();
+        const float* v = vrows.data();
+        switch (std::min<int64_t>(4, (D - c0) / L)) {
+          case 1: value_sums_heads<1>(p, padded, int(G), live, v, D, c0, inv.data(), o.data()); break;
+          case 2: value_sums_heads<2>(p, padded, int(G), live, v, D, c0, inv.data(), o.data()); break;
+          case 3: value_sums_heads<3>(p, padded, int(G), live, v, D, c0, inv.data(), o.data()); break;
+          default: value_sums_heads<4>(p, padded, int(G), live, v, D, c0, inv.data(), o.data());
         }
-        lse_p[row * Hq + qh] = lsum > 0.f ? mrun + std::log(lsum) : kNoKey;
       }
     }
   });
