@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
                 result["rows"].append(r)
                 print(f"{staging:5s} staging, {exact:4d} exact, batch {batch:3d}: "
                       + ", ".join(f"{n} {m:.3f} ms" for n, m in r["ms"].items())
-                      + f"; torch_gathered x{r['x_cpp']['torch_gathered']:.2f} of the kernel's speed",
-                      flush=True)
+                      + f"; torch_gathered x{r['x_cpp']['torch_gathered']:.2f} of the kernel's "
+                      "speed", flush=True)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -42,10 +42,11 @@ inline void widen(at::ScalarType t, const void* p, int64_t D, float scale, float
       const int8_t* x = static_cast<const int8_t*>(p);
       int64_t c = 0;
 #if defined(__AVX512F__)  // 16 at a time: the compiler's loop converted 8
-      for (; c + 16 <= D; c += 16)
-        _mm512_storeu_ps(dst + c, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + c)))),
+      for (; c + 16 <= D; c += 16) {
+        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + c));
+        _mm512_storeu_ps(dst + c, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)),
                                                 _mm512_set1_ps(scale)));
+      }
 #endif
 #pragma omp simd
       for (int64_t i = c; i < D; ++i) dst[i] = float(x[i]) * scale;

@@ -66,7 +66,7 @@ inline vf lane_sums(vf* x) {
 // vectors in registers; rows of k ld floats apart), or sc[j] += scale q . k_j without bias;
 // sc holds round_up(n) floats, the lanes past n junk
 template <int NC>
-void key_scores(const float* q, const float* k, int64_t ld, int n, float scale,
+void channel_scores(const float* q, const float* k, int64_t ld, int n, float scale,
                 const float* bias, float* sc) {
   vf qv[NC];
   for (int u = 0; u < NC; ++u) qv[u] = loadf(q + u * L);
@@ -82,19 +82,19 @@ void key_scores(const float* q, const float* k, int64_t ld, int n, float scale,
   }
 }
 
-// key_scores over all D channels (a multiple of L), at most 8 vectors at a time
-inline void score_keys(const float* q, const float* k, int n, int64_t D, float scale,
+// channel_scores over all D channels (a multiple of L), at most 8 vectors at a time
+inline void key_scores(const float* q, const float* k, int n, int64_t D, float scale,
                        const float* bias, float* sc) {
   for (int64_t c = 0; c < D; c += 8 * L, bias = nullptr) {
     switch (std::min<int64_t>(8, (D - c) / L)) {
-      case 1: key_scores<1>(q + c, k + c, D, n, scale, bias, sc); break;
-      case 2: key_scores<2>(q + c, k + c, D, n, scale, bias, sc); break;
-      case 3: key_scores<3>(q + c, k + c, D, n, scale, bias, sc); break;
-      case 4: key_scores<4>(q + c, k + c, D, n, scale, bias, sc); break;
-      case 5: key_scores<5>(q + c, k + c, D, n, scale, bias, sc); break;
-      case 6: key_scores<6>(q + c, k + c, D, n, scale, bias, sc); break;
-      case 7: key_scores<7>(q + c, k + c, D, n, scale, bias, sc); break;
-      default: key_scores<8>(q + c, k + c, D, n, scale, bias, sc);
+      case 1: channel_scores<1>(q + c, k + c, D, n, scale, bias, sc); break;
+      case 2: channel_scores<2>(q + c, k + c, D, n, scale, bias, sc); break;
+      case 3: channel_scores<3>(q + c, k + c, D, n, scale, bias, sc); break;
+      case 4: channel_scores<4>(q + c, k + c, D, n, scale, bias, sc); break;
+      case 5: channel_scores<5>(q + c, k + c, D, n, scale, bias, sc); break;
+      case 6: channel_scores<6>(q + c, k + c, D, n, scale, bias, sc); break;
+      case 7: channel_scores<7>(q + c, k + c, D, n, scale, bias, sc); break;
+      default: channel_scores<8>(q + c, k + c, D, n, scale, bias, sc);
     }
   }
 }
@@ -129,6 +129,20 @@ void value_sums_heads(const float* p, int64_t ldp, int G, int n, const float* v,
       case 2: value_sums<NV, 2>(pg, ldp, n, v, D, c0, inv + g, o + g); break;
       case 3: value_sums<NV, 3>(pg, ldp, n, v, D, c0, inv + g, o + g); break;
       default: value_sums<NV, 4>(pg, ldp, n, v, D, c0, inv + g, o + g);
+    }
+  }
+}
+
+// o_g[0, D) = inv[g] sum_j p_g[j] v[j * D + (0, D)] for the G heads: value_sums_heads over
+// the channels, at most 4 vectors at a time
+void output_rows(const float* p, int64_t ldp, int G, int n, const float* v, int64_t D,
+                 const float* inv, float* const* o) {
+  for (int64_t c0 = 0; c0 < D; c0 += 4 * L) {
+    switch (std::min<int64_t>(4, (D - c0) / L)) {
+      case 1: value_sums_heads<1>(p, ldp, G, n, v, D, c0, inv, o); break;
+      case 2: value_sums_heads<2>(p, ldp, G, n, v, D, c0, inv, o); break;
+      case 3: value_sums_heads<3>(p, ldp, G, n, v, D, c0, inv, o); break;
+      default: value_sums_heads<4>(p, ldp, G, n, v, D, c0, inv, o);
     }
   }
 }
@@ -240,7 +254,7 @@ void exact_decode_attention(const at::Tensor& query, const at::Tensor& rows,
         const int64_t qh = h * G + g;
         float* qv = q.data() + g * D;
         q_in.row(row, qh, 0, 0, D, 1.f, qv);
-        if (live) score_keys(qv, krows.data(), live, D, float(scale), live_bias.data(),
+        if (live) key_scores(qv, krows.data(), live, D, float(scale), live_bias.data(),
                              sc.data() + g * padded);
         mrun[g] = kNoKey;
         lsum[g] = 0.f;
@@ -253,16 +267,7 @@ void exact_decode_attention(const at::Tensor& query, const at::Tensor& rows,
         inv[g] = lsum[g] > 0.f ? 1.f / lsum[g] : 0.f;
         lse_p[row * Hq + h * G + g] = lsum[g] > 0.f ? mrun[g] + std::log(lsum[g]) : kNoKey;
       }
-      for (int64_t c0 = 0; c0 < D; c0 += 4 * L) {
-        const float* p = sc.data();
-        const float* v = vrows.data();
-        switch (std::min<int64_t>(4, (D - c0) / L)) {
-          case 1: value_sums_heads<1>(p, padded, int(G), live, v, D, c0, inv.data(), o.data()); break;
-          case 2: value_sums_heads<2>(p, padded, int(G), live, v, D, c0, inv.data(), o.data()); break;
-          case 3: value_sums_heads<3>(p, padded, int(G), live, v, D, c0, inv.data(), o.data()); break;
-          default: value_sums_heads<4>(p, padded, int(G), live, v, D, c0, inv.data(), o.data());
-        }
-      }
+      output_rows(sc.data(), padded, int(G), live, vrows.data(), D, inv.data(), o.data());
     }
   });
 }
