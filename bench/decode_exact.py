@@ -20,7 +20,6 @@ machine) to ``--json``, a plot to ``--png``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import statistics
@@ -31,9 +30,9 @@ import torch
 
 from bench import machine
 from bench.plotting import pyplot, save
-from bench.prefill_exact import time_call
+from bench.prefill_exact import (add_run_arguments, check_run_arguments, positive_ints,
+                                 time_call, write)
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SINKS, SLOT_TOKENS = 4, 128
 
 
@@ -127,16 +126,6 @@ def plot(result: dict, path: Path) -> None:
     save(fig, path)
 
 
-def positive_ints(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        p.error(f"{flag}: comma-separated positive integers, not {text!r}")
-    return values
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -145,13 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help=f"exact positions per request ({SINKS} sinks + staged run + 1), "
                         "comma-separated")
     p.add_argument("--staging", default="int8,model", help="staging dtypes: int8, model")
-    p.add_argument("--q-heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=7, help="alternations of the two per cell")
-    p.add_argument("--calls", type=int, default=20, help="calls per kernel and round")
-    p.add_argument("--json", default=str(RESULTS / "decode_exact.json"))
-    p.add_argument("--png", default=None, help="default: the JSON's path, .png")
+    add_run_arguments(p, "decode_exact.json", calls=20)
     args = p.parse_args(argv)
     batches = positive_ints(p, "--batch", args.batch)
     exacts = positive_ints(p, "--exact", args.exact)
@@ -160,10 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     stagings = args.staging.split(",")
     if not set(stagings) <= {"int8", "model"}:
         p.error(f"--staging: int8 and/or model, not {args.staging!r}")
-    if args.rounds < 1 or args.calls < 1:
-        p.error("--rounds and --calls: positive integers")
-    if args.q_heads % args.kv_heads:
-        p.error(f"--q-heads: a multiple of --kv-heads ({args.kv_heads}), not {args.q_heads}")
+    check_run_arguments(p, args)
     if args.head_dim % 16:
         p.error(f"--head-dim: a multiple of 16 (the kernel's vectors), not {args.head_dim}")
     from vllm_lowbit_kv.ops import cpu
@@ -187,10 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
                       + ", ".join(f"{n} {m:.3f} ms" for n, m in r["ms"].items())
                       + f"; torch_gathered x{r['x_cpp']['torch_gathered']:.2f} of the kernel's "
                       "speed", flush=True)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, Path(args.png) if args.png else out.with_suffix(".png"))
+    write(result, args, plot)
     return result
 
 

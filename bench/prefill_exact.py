@@ -86,26 +86,52 @@ def plot(result: dict, path: Path) -> None:
     save(fig, path)
 
 
+def positive_ints(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """A flag's comma-separated positive integers, or the parser's error naming the flag."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        p.error(f"{flag}: comma-separated positive integers, not {text!r}")
+    return values
+
+
+def add_run_arguments(p: argparse.ArgumentParser, json_name: str, calls: int) -> None:
+    """The flags both exact-part benchmarks take: the attention's shape (SmolLM2's by
+    default), the alternations and calls per cell, and where the results go."""
+    p.add_argument("--q-heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=7, help="alternations of the kernels per cell")
+    p.add_argument("--calls", type=int, default=calls, help="calls per kernel and round")
+    p.add_argument("--json", default=str(RESULTS / json_name))
+    p.add_argument("--png", default=None, help="default: the JSON's path, .png")
+
+
+def check_run_arguments(p: argparse.ArgumentParser, args) -> None:
+    if args.rounds < 1 or args.calls < 1:
+        p.error("--rounds and --calls: positive integers")
+    if args.q_heads % args.kv_heads:
+        p.error(f"--q-heads: a multiple of --kv-heads ({args.kv_heads}), not {args.q_heads}")
+
+
+def write(result: dict, args, plot) -> None:
+    """The result as JSON to --json and its plot to --png (default: beside the JSON)."""
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, Path(args.png) if args.png else out.with_suffix(".png"))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="256,512,1024,2048", help="chunk sizes, comma-separated")
-    p.add_argument("--q-heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=7, help="alternations of the kernels per size")
-    p.add_argument("--calls", type=int, default=5, help="calls per kernel and round")
-    p.add_argument("--json", default=str(RESULTS / "prefill_exact.json"))
-    p.add_argument("--png", default=None, help="default: the JSON's path, .png")
+    add_run_arguments(p, "prefill_exact.json", calls=5)
     args = p.parse_args(argv)
-    try:
-        sizes = [int(x) for x in args.rows.split(",")]
-    except ValueError:
-        p.error(f"--rows: comma-separated positive integers, not {args.rows!r}")
-    if not sizes or min(sizes) < 1 or args.rounds < 1 or args.calls < 1:
-        p.error("--rows, --rounds and --calls: positive integers")
-    if args.q_heads % args.kv_heads:
-        p.error(f"--q-heads: a multiple of --kv-heads ({args.kv_heads}), not {args.q_heads}")
+    sizes = positive_ints(p, "--rows", args.rows)
+    check_run_arguments(p, args)
     from vllm_lowbit_kv.ops import cpu
 
     error = cpu.load_library()
@@ -123,10 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{rows:5d} rows: " + ", ".join(f"{n} {m:.3f} ms" for n, m in r["ms"].items())
               + f"; torch_bf16 x{r['x_dense']['torch_bf16']:.2f} of dense_cpp's speed",
               flush=True)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, Path(args.png) if args.png else out.with_suffix(".png"))
+    write(result, args, plot)
     return result
 
 
