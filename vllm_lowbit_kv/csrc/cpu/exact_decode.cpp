@@ -67,7 +67,7 @@ inline vf lane_sums(vf* x) {
 // sc holds round_up(n) floats, the lanes past n junk
 template <int NC>
 void channel_scores(const float* q, const float* k, int64_t ld, int n, float scale,
-                const float* bias, float* sc) {
+                    const float* bias, float* sc) {
   vf qv[NC];
   for (int u = 0; u < NC; ++u) qv[u] = loadf(q + u * L);
   for (int j0 = 0; j0 < n; j0 += L) {
