@@ -209,6 +209,24 @@ def test_rvq_encoder_separates_codes_closer_than_bf16_resolves(tmp_path, apart, 
     check_store(layout, k, v, seed)
 
 
+def test_rvq_encoder_decides_crowds_of_candidates(tmp_path):
+    """Every stage's 256 codes one vector with each element moved by 2^-10 of itself at
+    random: the bf16 pass tells few of them apart, so a row has dozens of candidates (the
+    AMX search lists more than one 32-code word of them) and float32 decides."""
+    from vllm_lowbit_kv.codecs.base import ModelIdentity
+    from vllm_lowbit_kv.codecs.rvq import RVQCodebooks, RVQSettings
+
+    g = torch.Generator().manual_seed(3)
+    key, value = (torch.randn(1, 4, 1, 32, generator=g) * 0.3
+                  * (1 + 2.0 ** -10 * torch.randn(1, 4, 256, 32, generator=g)) for _ in "kv")
+    path = RVQCodebooks(key, value, ModelIdentity("test", 1, 2, 64),
+                        RVQSettings(4, 256, 32, "strided", "contiguous"), {}).save(
+                            tmp_path / "crowd.safetensors")
+    layout = rvq_layout("rvq4x256", path, 2, 32)
+    k, v = kv(3, 32, 2, 64, torch.float32, seed=5)
+    check_store(layout, k, v)
+
+
 @pytest.mark.parametrize("magnitude", [1e-6, 3e4])
 def test_encoder_is_bit_exact_for_kivi_at_extreme_magnitudes(magnitude):
     """Tiny ranges (subnormal fp16 scales) and values near the fp16 limit."""

@@ -116,12 +116,18 @@ void minmax_columns(const float* x, int rows, int n, int ld, const float* lo, co
       for (int t = 0; t < rows; ++t) codes[t * n + i] = 0;
 }
 
+// the first 64-byte boundary at or after x (whole cache lines for tile stores and vectors)
+inline float* aligned_floats(float* x) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(x) + 63) & ~uintptr_t(63));
+}
+
 // Scratch of one thread: the group and its intermediate arrays.
 struct Scratch {
   std::vector<float> x, y, lo, hi, work;
   std::vector<uint8_t> codes;
   std::vector<int8_t> trits;
   std::vector<int32_t> indices;
+  std::vector<uint16_t> hits;
 };
 
 // KIVI per channel (kivi.py, axis "channel"): x [T, D]; descriptor [kind, bits, codes,
@@ -339,14 +345,14 @@ constexpr int kMaxCodes = 1 << 16;  // codes per codebook (indices of at most 16
 // pass's error bound (nearest_codes_bf16; c' = bf16(c)) ||c|| + ||c' - c|| [K, C],
 // 2 ||c' - c|| [K, C] and each stage's largest of both [K, 2]; and, where d is a multiple
 // of 16 up to kMaxPairGroup, the bf16 pairs [K, d / 2, C] ((c'_2j, c'_2j+1) of code c in
-// a word) of the first pass.
+// a word) of the first pass, then the same code-major [K, C, d / 2] (its AMX tiles' A).
 struct RvqBooks {
   int K = 0, C = 0, d = 0;
   const float *codes = nullptr, *columns = nullptr, *norms = nullptr;
   const float *spread = nullptr, *twice_rounding = nullptr, *largest = nullptr;
-  const uint32_t* pairs = nullptr;
+  const uint32_t *pairs = nullptr, *code_pairs = nullptr;
   static bool has_pairs(int64_t d) { return d % kLanes == 0 && d <= kMaxPairGroup; }
-  // whether the search's first pass runs as AMX tile multiplies (amx_distances)
+  // whether the search runs as AMX tile multiplies (nearest_codes_tiles)
   bool amx_search() const {
 #if defined(LOWBIT_AMX)
     return pairs && d % 32 == 0 && C % 32 == 0 && amx_granted();
@@ -358,7 +364,7 @@ struct RvqBooks {
     return desc[RV_K] * desc[RV_C] * (desc[RV_GROUP] + 3) + 2 * desc[RV_K];
   }
   static int64_t pair_words(const std::vector<int64_t>& desc) {
-    return has_pairs(desc[RV_GROUP]) ? desc[RV_K] * desc[RV_C] * desc[RV_GROUP] / 2 : 0;
+    return has_pairs(desc[RV_GROUP]) ? desc[RV_K] * desc[RV_C] * desc[RV_GROUP] : 0;
   }
   // points into the call's tensors and advances past this role's part
   void take(const std::vector<int64_t>& desc, const float*& books, const float*& search,
@@ -376,7 +382,7 @@ struct RvqBooks {
     largest = twice_rounding + kc;
     search = largest + 2 * K;
 #if defined(__AVX512BF16__)
-    if (has_pairs(d)) pairs = pair_words_at;
+    if (has_pairs(d)) pairs = pair_words_at, code_pairs = pair_words_at + kc * d / 2;
 #endif
     pair_words_at += pair_words(desc);
   }
@@ -467,40 +473,6 @@ inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(approx + i * C + c0 + v * kLanes, acc[i][v]);
 }
 
-#if defined(LOWBIT_AMX)
-// approx_distances of all C codes (a multiple of 32) for 16 rows as AMX tile multiplies
-// (TDPBF16PS: the same exact bf16 products and float32 sums, from the norms on): w [16][half]
-// words, half a multiple of 16 up to kMaxPairGroup / 2 (one A tile per 32 channels). The
-// thread's tile configuration is loaded by the caller (rvq, once per group).
-inline void amx_distances(const uint32_t* w, int half, const uint32_t* pairs,
-                          const float* norms, int C, float* approx) {
-  const int a_tiles = half / 16;  // tiles 4.. hold w, 0-1 the sums, 2-3 the codes
-  switch (a_tiles) {  // tile numbers are immediates
-    case 4: _tile_loadd(7, w + 48, half * 4); [[fallthrough]];
-    case 3: _tile_loadd(6, w + 32, half * 4); [[fallthrough]];
-    case 2: _tile_loadd(5, w + 16, half * 4); [[fallthrough]];
-    default: _tile_loadd(4, w, half * 4);
-  }
-  const auto multiply = [&](int a, int c0) {
-    const uint32_t* b = pairs + static_cast<size_t>(a) * 16 * C + c0;
-    _tile_loadd(2, b, C * 4);
-    _tile_loadd(3, b + 16, C * 4);
-    switch (a) {
-      case 0: _tile_dpbf16ps(0, 4, 2); _tile_dpbf16ps(1, 4, 3); break;
-      case 1: _tile_dpbf16ps(0, 5, 2); _tile_dpbf16ps(1, 5, 3); break;
-      case 2: _tile_dpbf16ps(0, 6, 2); _tile_dpbf16ps(1, 6, 3); break;
-      default: _tile_dpbf16ps(0, 7, 2); _tile_dpbf16ps(1, 7, 3);
-    }
-  };
-  for (int c0 = 0; c0 < C; c0 += 32) {
-    _tile_loadd(0, norms + c0, 0);  // stride 0: every row starts from the codes' norms
-    _tile_loadd(1, norms + c0 + 16, 0);
-    for (int a = 0; a < a_tiles; ++a) multiply(a, c0);
-    _tile_stored(0, approx + c0, C * 4);
-    _tile_stored(1, approx + c0 + 16, C * 4);
-  }
-}
-#endif
 
 // nearest_codes in two passes: every distance in bf16 products (vdpbf16ps, twice
 // float32's multiply-add rate), then in float32 only the codes the pass cannot tell from
@@ -508,16 +480,16 @@ inline void amx_distances(const uint32_t* w, int half, const uint32_t* pairs,
 // w.c' = -2 r.c + e_r.c' - 2 r.e_c exactly in its products (bf16 products are exact in
 // float32), so by Cauchy-Schwarz it is off by at most
 //     bound(c) = ||e_r|| (||c|| + ||e_c||) + ||r|| 2 ||e_c|| + s,
-// s its float32 sums' rounding (d <= 128 roundings of at most 2^-24 (||c||^2 + 2 ||r||
-// ||c'||): under 1.6e-5 ||r|| c'max + 1e-5 c'max^2; DAZ/FTZ moves a product by under
-// 2^-126 |c_j|). The nearest code c* has approx(c*) - bound(c*) <= its distance <= every
-// code's distance <= min approx + max bound, so the candidates are the codes with
-// approx(c) - bound(c) <= min approx + max bound (about 1.2 per row on SmolLM2's K and
-// V; the codes' own bounds, not the largest, make most rows single). The candidates are
-// the set bits of the compare masks, read 64 codes at a time; a single candidate is the
-// answer without its float32 distance. R = kTileRows rows run the pass as AMX tile
-// multiplies (amx_search), other R as vdpbf16ps. approx: scratch of R * C floats. d a
-// multiple of 16, at most kMaxPairGroup.
+// s its float32 sums' rounding (d + 1 <= 129 roundings, the norm's included, of at most
+// 2^-24 (||c||^2 + 2 ||r|| ||c'||): under 1.6e-5 ||r|| c'max + 1e-5 c'max^2; DAZ/FTZ
+// moves a product by under 2^-126 |c_j|). The nearest code c* has approx(c*) - bound(c*)
+// <= its distance <= every code's distance <= min approx + max bound, so the candidates
+// are the codes with approx(c) - bound(c) <= min approx + max bound (about 1.2 per row on
+// SmolLM2's K and V; the codes' own bounds, not the largest, make most rows single). The
+// candidates are the set bits of the compare masks, read 64 codes at a time; a single
+// candidate is the answer without its float32 distance. The pass as vdpbf16ps of R rows
+// (nearest_codes_tiles runs it as AMX tile multiplies); approx: scratch of R * C floats. d
+// a multiple of 16, at most kMaxPairGroup.
 template <int R>
 void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t* out,
                         float* approx) {
@@ -547,17 +519,10 @@ void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t
     w_error[i] = std::sqrt(_mm512_reduce_add_ps(ee)) * kSlack;
     sums[i] = (1.6e-5f * r_norm[i] + 1e-5f * spread_max) * spread_max + 1e-30f;
   }
-#if defined(LOWBIT_AMX)
-  if constexpr (R == kTileRows) {
-    amx_distances(w, half, pairs, norms, C, approx);
-  } else
-#endif
-  {
-    int c0 = 0;
-    for (; c0 + kCodeVectors * kLanes <= C; c0 += kCodeVectors * kLanes)
-      approx_distances<R, kCodeVectors>(w, half, pairs, norms, C, c0, approx);
-    for (; c0 < C; c0 += kLanes) approx_distances<R, 1>(w, half, pairs, norms, C, c0, approx);
-  }
+  int c0 = 0;
+  for (; c0 + kCodeVectors * kLanes <= C; c0 += kCodeVectors * kLanes)
+    approx_distances<R, kCodeVectors>(w, half, pairs, norms, C, c0, approx);
+  for (; c0 < C; c0 += kLanes) approx_distances<R, 1>(w, half, pairs, norms, C, c0, approx);
   for (int i = 0; i < R; ++i) {
     const float* a = approx + i * C;
     __m512 lo = _mm512_loadu_ps(a);
@@ -610,6 +575,159 @@ void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t
     out[i] = found;
   }
 }
+
+#if defined(LOWBIT_AMX)
+// nearest_codes_bf16's w, ||r||, ||e_r|| and s for kTileRows rows, the rows in lanes:
+// wt[j][i] = word j of row i (the tiles' B), the others one vector each
+inline void residual_words(const float* const* r, int d, float spread_max, uint32_t* wt,
+                           __m512& w_error, __m512& r_norm, __m512& sums) {
+  constexpr float kSlack = 1.f + 1.f / 4096;  // as in nearest_codes_bf16
+  __m512 rr = _mm512_setzero_ps(), ee = _mm512_setzero_ps();
+  for (int j0 = 0; j0 < d; j0 += L) {
+    vf x[L];  // x[j]: channel j0 + j of the 16 rows
+    for (int i = 0; i < kTileRows; ++i) std::memcpy(&x[i], r[i] + j0, sizeof(vf));
+    transpose(x);
+    for (int j = 0; j < L; j += 2) {
+      __m512i halves[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512 xj = x[j + h], w2 = _mm512_mul_ps(xj, _mm512_set1_ps(-2.f));
+        halves[h] = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(w2)));
+        const __m512 e = _mm512_sub_ps(  // exact: a float minus its rounding to 8 bits
+            _mm512_castsi512_ps(_mm512_slli_epi32(halves[h], 16)), w2);
+        rr = _mm512_fmadd_ps(xj, xj, rr);
+        ee = _mm512_fmadd_ps(e, e, ee);
+      }
+      _mm512_store_si512(wt + (j0 + j) / 2 * kTileRows,
+                         _mm512_or_si512(halves[0], _mm512_slli_epi32(halves[1], 16)));
+    }
+  }
+  r_norm = _mm512_mul_ps(_mm512_sqrt_ps(rr), _mm512_set1_ps(kSlack));
+  w_error = _mm512_mul_ps(_mm512_sqrt_ps(ee), _mm512_set1_ps(kSlack));
+  const __m512 top = _mm512_set1_ps(spread_max);
+  sums = _mm512_add_ps(
+      _mm512_mul_ps(_mm512_fmadd_ps(_mm512_set1_ps(1.6e-5f), r_norm,
+                                    _mm512_mul_ps(_mm512_set1_ps(1e-5f), top)), top),
+      _mm512_set1_ps(1e-30f));
+}
+
+// nearest_codes_bf16 for kTileRows rows with the first pass as AMX tile multiplies of a
+// stage's codes (A: 16 codes' bf16 pairs, b.code_pairs) by the rows' words (B: w
+// transposed), so that the distances come out code-major: dist[c] is one vector with a
+// lane per row, and every step after the products runs on all 16 rows at once, with no
+// horizontal reduction and no branch per row. ||c||^2 is added after the products' sums
+// (within the bound's s, above). A code can be a candidate (dist - bound(c) <=
+// limit) only if dist <= limit + max bound, so one compare a code finds the few codes some
+// row may take (hits), and only those get their own bound; a row with one candidate takes
+// it, the others compare their candidates' float32 distances as nearest_codes_bf16 does.
+// d a multiple of 32 up to kMaxPairGroup, C of 32; dist: scratch of 16 C floats (64-byte
+// aligned), hits: of 2 C + 32 (each code's compare mask, then the hit codes and their rows'
+// candidate masks).
+void nearest_codes_tiles(const float* const* r, const RvqBooks& b, int k, int32_t* out,
+                         float* dist, uint16_t* hits) {
+  constexpr int R = kTileRows;
+  const int d = b.d, C = b.C, half = d / 2;
+  const size_t kc = static_cast<size_t>(k) * C;
+  const uint32_t* code_pairs = b.code_pairs + kc * half;
+  const float* norms = b.norms + kc;
+  const float* codes = b.codes + kc * d;
+  const float *spread = b.spread + kc, *twice_rounding = b.twice_rounding + kc;
+  const float spread_max = b.largest[2 * k], twice_rounding_max = b.largest[2 * k + 1];
+  alignas(64) uint32_t wt[kMaxPairGroup / 2 * R];
+  __m512 we, rn, s;
+  residual_words(r, d, spread_max, wt, we, rn, s);
+  // tiles 4.. hold wt (one per 32 channels), 0-1 the sums, 2-3 the codes
+  const int b_tiles = half / 16;
+  switch (b_tiles) {  // tile numbers are immediates
+    case 4: _tile_loadd(7, wt + 48 * R, 64); [[fallthrough]];
+    case 3: _tile_loadd(6, wt + 32 * R, 64); [[fallthrough]];
+    case 2: _tile_loadd(5, wt + 16 * R, 64); [[fallthrough]];
+    default: _tile_loadd(4, wt, 64);
+  }
+  const auto multiply = [&](int t, int c0) {
+    const uint32_t* a = code_pairs + static_cast<size_t>(c0) * half + 16 * t;
+    _tile_loadd(2, a, half * 4);
+    _tile_loadd(3, a + 16 * half, half * 4);
+    switch (t) {
+      case 0: _tile_dpbf16ps(0, 2, 4); _tile_dpbf16ps(1, 3, 4); break;
+      case 1: _tile_dpbf16ps(0, 2, 5); _tile_dpbf16ps(1, 3, 5); break;
+      case 2: _tile_dpbf16ps(0, 2, 6); _tile_dpbf16ps(1, 3, 6); break;
+      default: _tile_dpbf16ps(0, 2, 7); _tile_dpbf16ps(1, 3, 7);
+    }
+  };
+  for (int c0 = 0; c0 < C; c0 += 32) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int t = 0; t < b_tiles; ++t) multiply(t, c0);
+    _tile_stored(0, dist + c0 * R, 64);
+    _tile_stored(1, dist + (c0 + 16) * R, 64);
+  }
+  // the distances and their minimum, four chains
+  const auto distance = [&](int c) {
+    const __m512 x = _mm512_add_ps(_mm512_loadu_ps(dist + c * R), _mm512_set1_ps(norms[c]));
+    _mm512_storeu_ps(dist + c * R, x);
+    return x;
+  };
+  __m512 lo[4] = {distance(0), distance(1), distance(2), distance(3)};
+  for (int c = 4; c < C; c += 4)
+    for (int j = 0; j < 4; ++j) lo[j] = _mm512_min_ps(lo[j], distance(c + j));
+  const __m512 widest = _mm512_fmadd_ps(
+      we, _mm512_set1_ps(spread_max), _mm512_fmadd_ps(rn, _mm512_set1_ps(twice_rounding_max), s));
+  const __m512 nearest = _mm512_min_ps(_mm512_min_ps(lo[0], lo[1]), _mm512_min_ps(lo[2], lo[3]));
+  const __m512 limit = _mm512_add_ps(nearest, widest);
+  // a candidate's dist is at most limit + its bound <= limit + widest; s more covers the
+  // rounding of that sum (a few parts in 2^24 of it, far below s)
+  const __m512 reach = _mm512_add_ps(_mm512_add_ps(limit, widest), s);
+  for (int c = 0; c < C; ++c)
+    hits[c] = _mm512_cmp_ps_mask(_mm512_loadu_ps(dist + c * R), reach, _CMP_LE_OQ);
+  // the hit codes' own bounds: per row the count of candidates and the last one
+  __m512i count = _mm512_setzero_si512(), last = _mm512_setzero_si512();
+  int listed = 0;
+  // the hit codes (ascending) overwrite masks already read; their candidate rows after them
+  uint16_t *list = hits, *candidate = hits + C;
+  for (int c0 = 0; c0 < C; c0 += 32) {
+    for (uint32_t any = _mm512_test_epi16_mask(_mm512_loadu_si512(hits + c0),
+                                               _mm512_set1_epi16(-1));
+         any; any &= any - 1) {
+      const int c = c0 + __builtin_ctz(any);
+      const __m512 bound =
+          _mm512_fmadd_ps(we, _mm512_set1_ps(spread[c]),
+                          _mm512_fmadd_ps(rn, _mm512_set1_ps(twice_rounding[c]), s));
+      const __mmask16 in = _mm512_cmp_ps_mask(
+          _mm512_sub_ps(_mm512_loadu_ps(dist + c * R), bound), limit, _CMP_LE_OQ);
+      count = _mm512_mask_add_epi32(count, in, count, _mm512_set1_epi32(1));
+      last = _mm512_mask_mov_epi32(last, in, _mm512_set1_epi32(c));
+      candidate[listed] = in;
+      list[listed++] = static_cast<uint16_t>(c);
+    }
+  }
+  // a row with one candidate takes it (the float32 nearest is among them); the others
+  // compare their candidates' float32 distances, found by a bit test of 32 masks at a time
+  _mm512_storeu_si512(out, last);
+  for (uint32_t multi = _mm512_cmpneq_epi32_mask(count, _mm512_set1_epi32(1)); multi;
+       multi &= multi - 1) {
+    const int i = __builtin_ctz(multi);
+    const __m512i row = _mm512_set1_epi16(static_cast<int16_t>(1 << i));
+    float best = std::numeric_limits<float>::infinity();
+    int32_t found = 0;
+    for (int h0 = 0; h0 < listed; h0 += 32) {
+      uint32_t bits = _mm512_test_epi16_mask(_mm512_loadu_si512(candidate + h0), row);
+      if (listed - h0 < 32) bits &= (1u << (listed - h0)) - 1;  // past the list: stale masks
+      for (; bits; bits &= bits - 1) {
+        const int c = list[h0 + __builtin_ctz(bits)];
+        const float* code = codes + static_cast<size_t>(c) * d;
+        __m512 dot = _mm512_setzero_ps();
+        for (int j = 0; j < d; j += kLanes)
+          dot = _mm512_fmadd_ps(_mm512_loadu_ps(r[i] + j), _mm512_loadu_ps(code + j), dot);
+        const float dd = norms[c] - 2.f * _mm512_reduce_add_ps(dot);
+        const bool closer = dd < best;  // ascending codes: the lowest index among equals
+        best = closer ? dd : best;
+        found = closer ? c : found;
+      }
+    }
+    out[i] = found;
+  }
+}
+#endif
 #endif
 
 // population std of x[0, n) in double: mean and variance as eight partial sums each (lanes
@@ -644,7 +762,9 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
   s.y.resize(static_cast<size_t>(rows) * d);  // residuals, row t * n + g
   s.lo.resize(T);                              // fp16 stds
   s.indices.resize(static_cast<size_t>(rows) * K);
-  s.work.resize(static_cast<size_t>(kTileRows) * b.C);  // the bf16 pass's distances
+  s.work.resize(static_cast<size_t>(kTileRows) * b.C + kLanes);  // the bf16 pass's distances
+  float* distances = aligned_floats(s.work.data());
+  s.hits.resize(2 * static_cast<size_t>(b.C) + 32);  // + a last 32 masks' read
   for (int t = 0; t < T; ++t) {
     const float* row = x + static_cast<size_t>(t) * D;
     s.lo[t] = to_half(static_cast<float>(population_std(row, D)));
@@ -667,12 +787,12 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
       int32_t found[kTileRows];
 #if defined(LOWBIT_AMX)
       if (tiles)
-        nearest_codes_bf16<kTileRows>(r, b, k, found, s.work.data());
+        nearest_codes_tiles(r, b, k, found, distances, s.hits.data());
       else
 #endif
 #if defined(__AVX512BF16__)
       if (b.pairs)
-        nearest_codes_bf16<kSearchRows>(r, b, k, found, s.work.data());
+        nearest_codes_bf16<kSearchRows>(r, b, k, found, distances);
       else
 #endif
         nearest_codes<kSearchRows>(r, b, k, found);
