@@ -352,6 +352,18 @@ struct RvqBooks {
   const float *spread = nullptr, *twice_rounding = nullptr, *largest = nullptr;
   const uint32_t *pairs = nullptr, *code_pairs = nullptr;
   static bool has_pairs(int64_t d) { return d % kLanes == 0 && d <= kMaxPairGroup; }
+  // stage k's part of the tables
+  struct Stage {
+    const uint32_t *pairs, *code_pairs;
+    const float *codes, *norms, *spread, *twice_rounding;
+    float spread_max, twice_rounding_max;
+  };
+  Stage stage(int k) const {
+    const size_t kc = static_cast<size_t>(k) * C, words = kc * d / 2;
+    return {pairs ? pairs + words : nullptr, code_pairs ? code_pairs + words : nullptr,
+            codes + kc * d, norms + kc, spread + kc, twice_rounding + kc, largest[2 * k],
+            largest[2 * k + 1]};
+  }
   // whether the search runs as AMX tile multiplies (nearest_codes_tiles)
   bool amx_search() const {
 #if defined(LOWBIT_AMX)
@@ -474,6 +486,20 @@ inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
 }
 
 
+// a candidate's float32 distance ||c||^2 - 2 r.c (codes [C, d]), kept in best / found when
+// smaller: given in ascending order, the lowest index among equal distances wins (argmin)
+inline void keep_nearer(const float* r, const float* codes, const float* norms, int d, int c,
+                        float& best, int32_t& found) {
+  const float* code = codes + static_cast<size_t>(c) * d;
+  __m512 dot = _mm512_setzero_ps();
+  for (int j = 0; j < d; j += kLanes)
+    dot = _mm512_fmadd_ps(_mm512_loadu_ps(r + j), _mm512_loadu_ps(code + j), dot);
+  const float dist = norms[c] - 2.f * _mm512_reduce_add_ps(dot);
+  const bool closer = dist < best;
+  best = closer ? dist : best;
+  found = closer ? c : found;
+}
+
 // nearest_codes in two passes: every distance in bf16 products (vdpbf16ps, twice
 // float32's multiply-add rate), then in float32 only the codes the pass cannot tell from
 // the nearest. With w = bf16(-2 r) = -2 r + e_r and c' = bf16(c) = c + e_c, the pass sums
@@ -494,12 +520,7 @@ template <int R>
 void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t* out,
                         float* approx) {
   const int d = b.d, C = b.C, half = d / 2;
-  const size_t kc = static_cast<size_t>(k) * C;
-  const uint32_t* pairs = b.pairs + kc * half;
-  const float* norms = b.norms + kc;
-  const float* codes = b.codes + kc * d;
-  const float *spread = b.spread + kc, *twice_rounding = b.twice_rounding + kc;
-  const float spread_max = b.largest[2 * k], twice_rounding_max = b.largest[2 * k + 1];
+  const RvqBooks::Stage st = b.stage(k);
   // the norms below carry float32 rounding of a few parts in 2^24 at most: 2^-12 covers it
   constexpr float kSlack = 1.f + 1.f / 4096;
   uint32_t w[R * kMaxPairGroup / 2];
@@ -517,18 +538,20 @@ void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t
     }
     r_norm[i] = std::sqrt(_mm512_reduce_add_ps(rr)) * kSlack;
     w_error[i] = std::sqrt(_mm512_reduce_add_ps(ee)) * kSlack;
-    sums[i] = (1.6e-5f * r_norm[i] + 1e-5f * spread_max) * spread_max + 1e-30f;
+    sums[i] = (1.6e-5f * r_norm[i] + 1e-5f * st.spread_max) * st.spread_max + 1e-30f;
   }
   int c0 = 0;
   for (; c0 + kCodeVectors * kLanes <= C; c0 += kCodeVectors * kLanes)
-    approx_distances<R, kCodeVectors>(w, half, pairs, norms, C, c0, approx);
-  for (; c0 < C; c0 += kLanes) approx_distances<R, 1>(w, half, pairs, norms, C, c0, approx);
+    approx_distances<R, kCodeVectors>(w, half, st.pairs, st.norms, C, c0, approx);
+  for (; c0 < C; c0 += kLanes)
+    approx_distances<R, 1>(w, half, st.pairs, st.norms, C, c0, approx);
   for (int i = 0; i < R; ++i) {
     const float* a = approx + i * C;
     __m512 lo = _mm512_loadu_ps(a);
     for (int c0 = kLanes; c0 < C; c0 += kLanes) lo = _mm512_min_ps(lo, _mm512_loadu_ps(a + c0));
-    const __m512 limit = _mm512_set1_ps(_mm512_reduce_min_ps(lo) + w_error[i] * spread_max +
-                                        r_norm[i] * twice_rounding_max + sums[i]);
+    const __m512 limit = _mm512_set1_ps(_mm512_reduce_min_ps(lo) +
+                                        w_error[i] * st.spread_max +
+                                        r_norm[i] * st.twice_rounding_max + sums[i]);
     const __m512 we = _mm512_set1_ps(w_error[i]), rn = _mm512_set1_ps(r_norm[i]);
     const __m512 s = _mm512_set1_ps(sums[i]);
     // the candidates as a bitmap of the codes (16 per compare, read back 64 at a time):
@@ -538,8 +561,8 @@ void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t
     for (int blk = 0; blk < blocks; ++blk) {
       const int c0 = blk * kLanes;
       const __m512 bound = _mm512_fmadd_ps(
-          we, _mm512_loadu_ps(spread + c0),
-          _mm512_fmadd_ps(rn, _mm512_loadu_ps(twice_rounding + c0), s));
+          we, _mm512_loadu_ps(st.spread + c0),
+          _mm512_fmadd_ps(rn, _mm512_loadu_ps(st.twice_rounding + c0), s));
       masks[blk] = _mm512_cmp_ps_mask(_mm512_sub_ps(_mm512_loadu_ps(a + c0), bound), limit,
                                       _CMP_LE_OQ);
     }
@@ -560,17 +583,8 @@ void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t
     for (int c0 = 0; c0 < C; c0 += 64) {
       uint64_t bits;
       std::memcpy(&bits, masks + c0 / kLanes, sizeof bits);
-      for (; bits; bits &= bits - 1) {
-        const int c = c0 + __builtin_ctzll(bits);
-        const float* code = codes + static_cast<size_t>(c) * d;
-        __m512 dot = _mm512_setzero_ps();
-        for (int j = 0; j < d; j += kLanes)
-          dot = _mm512_fmadd_ps(_mm512_loadu_ps(r[i] + j), _mm512_loadu_ps(code + j), dot);
-        const float dist = norms[c] - 2.f * _mm512_reduce_add_ps(dot);
-        const bool closer = dist < best;  // ascending codes: the lowest index among equals
-        best = closer ? dist : best;
-        found = closer ? c : found;
-      }
+      for (; bits; bits &= bits - 1)
+        keep_nearer(r[i], st.codes, st.norms, d, c0 + __builtin_ctzll(bits), best, found);
     }
     out[i] = found;
   }
@@ -626,15 +640,10 @@ void nearest_codes_tiles(const float* const* r, const RvqBooks& b, int k, int32_
                          float* dist, uint16_t* hits) {
   constexpr int R = kTileRows;
   const int d = b.d, C = b.C, half = d / 2;
-  const size_t kc = static_cast<size_t>(k) * C;
-  const uint32_t* code_pairs = b.code_pairs + kc * half;
-  const float* norms = b.norms + kc;
-  const float* codes = b.codes + kc * d;
-  const float *spread = b.spread + kc, *twice_rounding = b.twice_rounding + kc;
-  const float spread_max = b.largest[2 * k], twice_rounding_max = b.largest[2 * k + 1];
+  const RvqBooks::Stage st = b.stage(k);
   alignas(64) uint32_t wt[kMaxPairGroup / 2 * R];
   __m512 we, rn, s;
-  residual_words(r, d, spread_max, wt, we, rn, s);
+  residual_words(r, d, st.spread_max, wt, we, rn, s);
   // tiles 4.. hold wt (one per 32 channels), 0-1 the sums, 2-3 the codes
   const int b_tiles = half / 16;
   switch (b_tiles) {  // tile numbers are immediates
@@ -644,7 +653,7 @@ void nearest_codes_tiles(const float* const* r, const RvqBooks& b, int k, int32_
     default: _tile_loadd(4, wt, 64);
   }
   const auto multiply = [&](int t, int c0) {
-    const uint32_t* a = code_pairs + static_cast<size_t>(c0) * half + 16 * t;
+    const uint32_t* a = st.code_pairs + static_cast<size_t>(c0) * half + 16 * t;
     _tile_loadd(2, a, half * 4);
     _tile_loadd(3, a + 16 * half, half * 4);
     switch (t) {
@@ -663,15 +672,17 @@ void nearest_codes_tiles(const float* const* r, const RvqBooks& b, int k, int32_
   }
   // the distances and their minimum, four chains
   const auto distance = [&](int c) {
-    const __m512 x = _mm512_add_ps(_mm512_loadu_ps(dist + c * R), _mm512_set1_ps(norms[c]));
+    const __m512 x =
+        _mm512_add_ps(_mm512_loadu_ps(dist + c * R), _mm512_set1_ps(st.norms[c]));
     _mm512_storeu_ps(dist + c * R, x);
     return x;
   };
   __m512 lo[4] = {distance(0), distance(1), distance(2), distance(3)};
   for (int c = 4; c < C; c += 4)
     for (int j = 0; j < 4; ++j) lo[j] = _mm512_min_ps(lo[j], distance(c + j));
-  const __m512 widest = _mm512_fmadd_ps(
-      we, _mm512_set1_ps(spread_max), _mm512_fmadd_ps(rn, _mm512_set1_ps(twice_rounding_max), s));
+  const __m512 widest =
+      _mm512_fmadd_ps(we, _mm512_set1_ps(st.spread_max),
+                      _mm512_fmadd_ps(rn, _mm512_set1_ps(st.twice_rounding_max), s));
   const __m512 nearest = _mm512_min_ps(_mm512_min_ps(lo[0], lo[1]), _mm512_min_ps(lo[2], lo[3]));
   const __m512 limit = _mm512_add_ps(nearest, widest);
   // a candidate's dist is at most limit + its bound <= limit + widest; s more covers the
@@ -690,8 +701,8 @@ void nearest_codes_tiles(const float* const* r, const RvqBooks& b, int k, int32_
          any; any &= any - 1) {
       const int c = c0 + __builtin_ctz(any);
       const __m512 bound =
-          _mm512_fmadd_ps(we, _mm512_set1_ps(spread[c]),
-                          _mm512_fmadd_ps(rn, _mm512_set1_ps(twice_rounding[c]), s));
+          _mm512_fmadd_ps(we, _mm512_set1_ps(st.spread[c]),
+                          _mm512_fmadd_ps(rn, _mm512_set1_ps(st.twice_rounding[c]), s));
       const __mmask16 in = _mm512_cmp_ps_mask(
           _mm512_sub_ps(_mm512_loadu_ps(dist + c * R), bound), limit, _CMP_LE_OQ);
       count = _mm512_mask_add_epi32(count, in, count, _mm512_set1_epi32(1));
@@ -712,17 +723,8 @@ void nearest_codes_tiles(const float* const* r, const RvqBooks& b, int k, int32_
     for (int h0 = 0; h0 < listed; h0 += 32) {
       uint32_t bits = _mm512_test_epi16_mask(_mm512_loadu_si512(candidate + h0), row);
       if (listed - h0 < 32) bits &= (1u << (listed - h0)) - 1;  // past the list: stale masks
-      for (; bits; bits &= bits - 1) {
-        const int c = list[h0 + __builtin_ctz(bits)];
-        const float* code = codes + static_cast<size_t>(c) * d;
-        __m512 dot = _mm512_setzero_ps();
-        for (int j = 0; j < d; j += kLanes)
-          dot = _mm512_fmadd_ps(_mm512_loadu_ps(r[i] + j), _mm512_loadu_ps(code + j), dot);
-        const float dd = norms[c] - 2.f * _mm512_reduce_add_ps(dot);
-        const bool closer = dd < best;  // ascending codes: the lowest index among equals
-        best = closer ? dd : best;
-        found = closer ? c : found;
-      }
+      for (; bits; bits &= bits - 1)
+        keep_nearer(r[i], st.codes, st.norms, d, list[h0 + __builtin_ctz(bits)], best, found);
     }
     out[i] = found;
   }
