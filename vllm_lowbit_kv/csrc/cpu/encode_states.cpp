@@ -670,7 +670,8 @@ void nearest_codes_tiles(const float* const* r, const RvqBooks& b, int k, int32_
     _tile_stored(0, dist + c0 * R, 64);
     _tile_stored(1, dist + (c0 + 16) * R, 64);
   }
-  // the distances and their minimum, four chains
+  // each code's distances, its norm added (stored back for the compares below), and their
+  // minimum, four chains
   const auto distance = [&](int c) {
     const __m512 x =
         _mm512_add_ps(_mm512_loadu_ps(dist + c * R), _mm512_set1_ps(st.norms[c]));
