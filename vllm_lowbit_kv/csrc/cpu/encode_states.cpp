@@ -116,11 +116,6 @@ void minmax_columns(const float* x, int rows, int n, int ld, const float* lo, co
       for (int t = 0; t < rows; ++t) codes[t * n + i] = 0;
 }
 
-// the first 64-byte boundary at or after x (whole cache lines for tile stores and vectors)
-inline float* aligned_floats(float* x) {
-  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(x) + 63) & ~uintptr_t(63));
-}
-
 // Scratch of one thread: the group and its intermediate arrays.
 struct Scratch {
   std::vector<float> x, y, lo, hi, work;

@@ -47,8 +47,7 @@ class TilePool {
       at += n;
     }
     pool_.assign(size_t(at + 16), 0.f);
-    base_ = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(pool_.data()) + 63) &
-                                     ~uintptr_t(63));
+    base_ = aligned_floats(pool_.data());
   }
   float* operator[](size_t i) const { return base_ + starts_[i]; }
 

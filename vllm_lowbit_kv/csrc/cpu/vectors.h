@@ -33,6 +33,10 @@ inline vu loadu(const uint32_t* p) { vu v; std::memcpy(&v, p, sizeof v); return 
 inline vf splat(float x) { return __builtin_shuffle(vf{x}, vi{}); }
 inline vi iota() { vi v; for (int l = 0; l < L; ++l) v[l] = l; return v; }
 inline int round_up(int x) { return (x + L - 1) / L * L; }
+// the first 64-byte boundary at or after x: whole cache lines for vectors and tile rows
+inline float* aligned_floats(float* x) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(x) + 63) & ~uintptr_t(63));
+}
 // the first `lanes` (<= L) floats, the rest 0, and their store: masked moves, so that a
 // caller's vectors stay in registers (a memcpy through a vector's address spills them)
 inline vf loadf_first(const float* p, int lanes) {
