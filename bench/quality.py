@@ -225,6 +225,14 @@ class Engine(ABC):
         return [self.greedy(ids, n, chunk, reference=r) for r in refs]
 
 
+def model_head_dim(model_dir: str | Path) -> int:
+    """The model's head size from its configuration (what scheme parameters are checked for)."""
+    from transformers import AutoConfig
+
+    from vllm_lowbit_kv.codecs.base import ModelIdentity
+    return ModelIdentity.from_hf_config(AutoConfig.from_pretrained(model_dir)).head_dim
+
+
 @lru_cache(maxsize=2)
 def _load_hf(model_dir: str, dtype: torch.dtype = torch.bfloat16):
     from transformers import AutoModelForCausalLM
@@ -257,7 +265,7 @@ class HFEngine(Engine):
         overrides = {k: v for k, v in (("block_tokens", block_tokens), ("sink_tokens", sink_tokens))
                      if v is not None} | dict(params or {})
         if self.scheme is not None and overrides:
-            self.scheme = self.scheme.with_params(**overrides)
+            self.scheme = self.scheme.with_params(self.head_dim, **overrides)
         self.cache_kw = dict(skip_layers=self.skip_layers, relevance=relevance)
         self._last_cache = None
 
@@ -869,7 +877,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         if v.scheme in native:
             continue
         get_scheme(v.scheme)  # refuse unknown names and bad modifiers before any work
-        get_scheme(v.scheme).with_params(**v.mods, **eng_overrides)
+        get_scheme(v.scheme).with_params(model_head_dim(args.model), **v.mods, **eng_overrides)
 
     variants = eviction_variants(args)  # refuse bad eviction settings before any work
 
@@ -911,7 +919,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         if v.scheme in native:
             continue
         try:
-            get_scheme(v.scheme).with_params(**{**eng_overrides, **params.get(v.label, {})}) \
+            get_scheme(v.scheme).with_params(probe.head_dim,
+                                             **{**eng_overrides, **params.get(v.label, {})}) \
                 .effective_bits(probe.head_dim, model_kv_heads=probe.model_kv_heads)
         except ValueError as e:
             raise SystemExit(f"{v.label} on {Path(args.model).name}: {e}") from None

@@ -118,7 +118,8 @@ class VllmEngine(Engine):
                 self.overrides["skip_layers"] = list(skip_layers)
             self.overrides.update(params or {})
             codec_overrides = {k: v for k, v in self.overrides.items() if k != "skip_layers"}
-            self.scheme = scheme.with_params(**codec_overrides) if codec_overrides else scheme
+            self.scheme = scheme.with_params(self.head_dim, **codec_overrides) \
+                if codec_overrides else scheme
             self._bits = self.scheme.effective_bits(self.head_dim, model_kv_heads=self.model_kv_heads)
             if eviction is not None:
                 self.overrides.update(eviction=eviction.name, retention=eviction.retention,

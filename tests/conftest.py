@@ -125,7 +125,7 @@ def rvq_codebook_file(tmp_path_factory):
     def make(name, model=ModelIdentity("SmolLM2-135M-Instruct", 30, 3, 64), **fields):
         key = (name, model, tuple(sorted(fields.items())))
         if key not in made:
-            kc, vc = get_scheme(name).with_params(**fields).codecs(model.head_dim)
+            kc, vc = get_scheme(name).with_params(model.head_dim, **fields).codecs(model.head_dim)
             s = RVQSettings(kc.num_codebooks, kc.codebook_size, kc.group_size, kc.grouping, vc.grouping)
             g = torch.Generator().manual_seed(0)
             shape = (model.num_layers, s.num_codebooks, s.codebook_size, s.group_size)

@@ -131,16 +131,20 @@ def test_rvq_encoder_matches_the_codecs(scheme, dtype, rvq_codebook_file):
         assert (a - b).norm() / b.norm() < 1e-3
 
 
-@pytest.mark.parametrize("group_size,T", [(16, 32), (64, 8), (64, 24), (32, 4)])
-def test_rvq_encoder_matches_the_codecs_for_each_search_path(group_size, T, rvq_codebook_file):
+@pytest.mark.parametrize("group_size,T,D", [(16, 32, 64), (64, 8, 64), (64, 24, 64),
+                                             (32, 4, 64), (96, 16, 96), (128, 8, 128)])
+def test_rvq_encoder_matches_the_codecs_for_each_search_path(group_size, T, D, rvq_codebook_file):
     """The search's first pass by vdpbf16ps (group 16, and every group where the CPU has
-    AVX-512 BF16 but no AMX) or by AMX tile multiplies of 16 rows (groups of 32 and 64,
-    one and two tiles of channels), including a last block of fewer rows (T x D / group
-    rows: 8, 24, 8)."""
-    path = rvq_codebook_file("rvq4x256", group_size=group_size)
+    AVX-512 BF16 but no AMX) or by AMX tile multiplies of 16 rows (groups of 32, 64, 96 and
+    128: one to four tiles of channels), including a last block of fewer rows (T x D /
+    group rows: 8, 24, 8 and 8)."""
+    from vllm_lowbit_kv.codecs.base import ModelIdentity
+
+    model = ModelIdentity("SmolLM2-135M-Instruct", 30, 3, D)
+    path = rvq_codebook_file("rvq4x256", model=model, group_size=group_size)
     layout = layout_for("rvq4x256", {"codebook": str(path), "group_size": group_size}, 3, T,
-                        2 * T, sinks=2)
-    k, v = kv(3, T, 3, 64, torch.float32, seed=group_size + T)
+                        2 * T, sinks=2, D=D)
+    k, v = kv(3, T, 3, D, torch.float32, seed=group_size + T)
     check_store(layout, k, v)
 
 

@@ -86,7 +86,7 @@ def built():
 
 def layout_for(scheme, params, H, T, block_size, sinks=0, D=64):
     s = get_scheme(scheme)
-    s = s.with_params(**params) if params else s
+    s = s.with_params(D, **params) if params else s
     kc, vc = s.codecs(D, T, layer=0)
     return PagedLayout(kc, vc, H, block_size, sinks)
 

@@ -335,3 +335,24 @@ def test_allocator_capacity_scales_with_bits(model_dir, lowbit, rvq_codebook_fil
         if lowbit is None:
             assert got >= 0.9 * (16 / scheme.effective_bits(
                 HEAD_DIM, model_kv_heads=LAYERS * KV_HEADS)) * bf16, name
+
+
+@pytest.mark.parametrize("head_dim,error", [(128, None), (96, r"divisor of head_dim=96, got 64")])
+def test_overrides_are_checked_against_the_served_models_head_size(model_dir, head_dim, error):
+    """A ``group_size`` of 64 KIVI value channels suits head_dim 128 and is refused, naming
+    the model's head size, for head_dim 96 (scheme overrides were once checked at 64)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    from vllm_lowbit_kv.vllm.checks import check_vllm_config
+    from vllm_lowbit_kv.vllm.resolve import resolve_scheme
+
+    cfg = _fake_vllm_config(get_head_size=lambda: head_dim)
+    cfg.cache_config.cache_dtype = "kivi2"
+    cfg.additional_config["lowbit_kv"]["group_size"] = 64 if error else 128
+    if error:
+        with pytest.raises(ValueError, match=error):
+            check_vllm_config(cfg, CpuPlatform)
+        return
+    check_vllm_config(cfg, CpuPlatform)
+    _, values = resolve_scheme(cfg).codecs(head_dim)
+    assert values.group_size == 128

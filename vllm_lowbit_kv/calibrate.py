@@ -104,7 +104,7 @@ class CalibrationConfig:
         scheme = get_scheme(self.scheme)
         require(all(isinstance(c, RVQCodec) for c in scheme.codecs(head_dim)), "--kv-cache-dtype",
                 "an RVQ scheme (rvq, rvq8x256, rvq4x256, ...)", self.scheme)
-        scheme = scheme.with_params(**overrides) if overrides else scheme
+        scheme = scheme.with_params(head_dim, **overrides) if overrides else scheme
         return scheme.codecs(head_dim)
 
     def settings(self, head_dim: int) -> RVQSettings:

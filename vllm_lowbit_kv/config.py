@@ -274,8 +274,9 @@ class LowBitKVConfig(BaseModel):
         """The fields that were set (for logs)."""
         return self.model_dump(exclude_unset=True)
 
-    def scheme(self, name: str) -> KVScheme:
-        """The registered scheme ``name`` with these overrides, as the vLLM backend runs it.
+    def scheme(self, name: str, head_dim: int = 64) -> KVScheme:
+        """The registered scheme ``name`` with these overrides, as the vLLM backend runs it,
+        validated for a model of head size ``head_dim``.
 
         Codecs that thread per-sequence state through ``encode_stream`` (the dynamic
         schemes' EMA recorders) run stateless in vLLM: a block's bytes may be shared
@@ -291,7 +292,11 @@ class LowBitKVConfig(BaseModel):
         params = self.codec_params()
         params.update({f: getattr(self, f) for f in SCHEME_CACHE_FIELDS
                        if getattr(self, f) is not None})
-        kc, vc = base.codecs(head_dim=64)
+        try:
+            base.codecs(head_dim)
+        except ValueError:
+            head_dim = 64  # a head size the scheme cannot serve: check_model says so, not us
+        kc, vc = base.codecs(head_dim)
         if any(hasattr(c, "encode_stream") for c in (kc, vc)):
             ema = params.get("ema", 0.0)
             if ema != 0:
@@ -301,7 +306,7 @@ class LowBitKVConfig(BaseModel):
                     "so every block is encoded with its own statistics")
             params["ema"] = 0.0
         try:
-            return base.with_params(**params) if params else base
+            return base.with_params(head_dim, **params) if params else base
         except ValueError as e:
             raise LowBitKVConfigError(f"lowbit_kv config for {name}: {e}") from None
 

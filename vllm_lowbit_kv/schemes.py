@@ -95,6 +95,10 @@ class KVScheme:
     #: what the staged tokens (windows, partial group) are held in: "model" (the
     #: model dtype) or "int8" (a scale per token and head, :data:`~.codecs.quant.STAGING_DTYPES`)
     staging_dtype: str = "model"
+    #: the head size the codec parameters were validated for (:meth:`with_params`): the
+    #: served model's, 64 where no model is named (head-size limits such as a group_size
+    #: dividing head_dim are checked again for the model at start-up)
+    checked_head_dim: int = field(default=64, repr=False, compare=False)
 
     def codecs(self, head_dim: int, block_tokens: int | None = None, layer: int | None = None
                ) -> tuple[BlockCodec, BlockCodec]:
@@ -212,10 +216,11 @@ class KVScheme:
     @property
     def uses_relevance(self) -> bool:
         """True when a codec protects tokens by relevance (STP), so callers supply scores."""
-        return any(c.uses_relevance for c in self.codecs(head_dim=64))
+        return any(c.uses_relevance for c in self.codecs(self.checked_head_dim))
 
-    def with_params(self, **overrides: Any) -> "KVScheme":
-        """A copy with codec parameters and cache defaults overridden, validated.
+    def with_params(self, head_dim: int | None = None, **overrides: Any) -> "KVScheme":
+        """A copy with codec parameters and cache defaults overridden, validated for
+        ``head_dim`` (the model's head size; default: the one this scheme was checked for).
 
         A parameter goes to the codec(s) whose spec already sets it; if neither
         does, to every codec that accepts it (e.g. ``protect`` on vidkv reaches
@@ -238,12 +243,15 @@ class KVScheme:
                                              if s.accepts(p)})
             require(hit, f"{self.name} parameter name", f"one of {allowed}", name)
         new = dataclasses.replace(self, key=CodecSpec(self.key.cls, key_p),
-                                  value=CodecSpec(self.value.cls, value_p), **scheme_kw)
+                                  value=CodecSpec(self.value.cls, value_p),
+                                  checked_head_dim=head_dim or self.checked_head_dim, **scheme_kw)
         new.validate()
         return new
 
-    def validate(self, head_dim: int = 64) -> None:
-        """Build both codecs once so that every parameter is range-checked."""
+    def validate(self) -> None:
+        """Build both codecs once (at :attr:`checked_head_dim`) so that every parameter is
+        range-checked."""
+        head_dim = self.checked_head_dim
         require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
                 "sink_tokens", "an int >= 0", self.sink_tokens)
         require_staging_dtype(self.staging_dtype)

@@ -47,10 +47,12 @@ def resolve(vllm_config: "VllmConfig | None" = None) -> tuple[KVScheme, LowBitKV
     name = vllm_config.cache_config.cache_dtype
     raw = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) \
         if isinstance(vllm_config.additional_config, dict) else None
-    key = (name, repr(raw))
+    # the overrides are checked against the served model's head size (64 without a model)
+    head_dim = vllm_config.model_config.get_head_size() if vllm_config.model_config else 64
+    key = (name, repr(raw), head_dim)
     if key not in _resolved:
         cfg = LowBitKVConfig.parse(raw)
-        _resolved[key] = (cfg.scheme(name), cfg)
+        _resolved[key] = (cfg.scheme(name, head_dim), cfg)
     _last = _resolved[key]
     return _last
 
