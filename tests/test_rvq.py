@@ -140,6 +140,27 @@ def test_bits_are_honest():
     assert k.codebook_bytes == 8 * 2048 * 32 * 2  # per layer, outside the pages
 
 
+def test_startup_line_counts_what_the_codebooks_hold_in_memory(rvq_codebook_file):
+    """Beside the file's fp16 codebooks, every packed layer holds per K/V role: the codec's
+    float32 codes and norms, the C++ kernel's float32 copy, the search's transposed codes,
+    norms, bound terms (3 K C + 2 K floats) and bf16 pair words in two layouts (K C d
+    int32); the start-up line adds them up."""
+    from vllm_lowbit_kv.ops import cpu
+
+    K, C, d, layers = 4, 256, 32, 30
+    cfg = LowBitKVConfig.parse({"codebook": str(rvq_codebook_file("rvq4x256"))})
+    scheme = cfg.scheme("rvq4x256")
+    kc, vc = scheme.codecs(64, layer=0)
+    tables = cpu.rvq_table_bytes(scheme.layout(64, 3, 512, torch.bfloat16, 0).format)
+    assert tables == 2 * 4 * (K * C * d + K * C * (d + 3) + 2 * K + K * C * d)
+    assert kc.working_bytes == vc.working_bytes == 4 * K * C * (d + 1)
+    held = 2 * layers * (K * C * d * 2 + 4 * K * C * (d + 1)) + layers * tables
+    line = cfg.summary("rvq4x256", scheme, head_dim=64, num_kv_heads=3, num_layers=layers,
+                       block_size=512, kernel_table_bytes=tables)
+    assert (f"codebooks {2 * layers * K * C * d * 2 / 2**20:.2f} MiB in fp16, held in memory "
+            in line and f"search tables {held / 2**20:.2f} MiB" in line)
+
+
 def test_fp16_bound_kept():
     """The full fp16 range is kept (beyond it is refused: test_codec_contract.py)."""
     books = make_books(2, 16, 8, 16)
@@ -403,6 +424,7 @@ def test_vllm_serves_rvq_like_the_reference(tiny_codebook, model_dir):
         server.wait_ready()
         log = server.log_text()
         assert "lowbit-kv: --kv-cache-dtype rvq4x256" in log and "outside the pages: codebooks" in log
+        assert "float32 copies and the kernel's search tables" in log
         # the C++ kernel reads RVQ pages: the start-up log and the stats say so
         assert server.attention_impls() == ["cpp"]
         assert get_json(server.port, STATS_ROUTE)["attention_impls"] == ["cpp"]

@@ -371,8 +371,11 @@ class LowBitKVConfig(BaseModel):
                     overall=over_layers(page), at_context=at, layout=layout)
 
     def summary(self, name: str, scheme: KVScheme, *, head_dim: int, num_kv_heads: int,
-                num_layers: int, block_size: int, model_dtype_bytes: int = 2) -> str:
-        """The start-up log line: the effective configuration and its honest bits."""
+                num_layers: int, block_size: int, model_dtype_bytes: int = 2,
+                kernel_table_bytes: int = 0) -> str:
+        """The start-up log line: the effective configuration and its honest bits;
+        ``kernel_table_bytes``: what the packed-attention kernel keeps per packed layer
+        beside the codecs' learned state (the C++ kernel's RVQ tables)."""
         kc, vc = scheme.codecs(head_dim)
         bits = self.bits_per_element(scheme, head_dim=head_dim, num_kv_heads=num_kv_heads,
                                      num_layers=num_layers, block_size=block_size,
@@ -382,7 +385,11 @@ class LowBitKVConfig(BaseModel):
         n_skip = len(self.skip_layers)
         params = {"k": kc, "v": vc}
         # learned state kept outside the pages, for the packed layers (RVQ codebooks)
-        side = sum(getattr(c, "codebook_bytes", 0) for c in (kc, vc)) * (num_layers - n_skip)
+        packed_layers = num_layers - n_skip
+        side = sum(getattr(c, "codebook_bytes", 0) for c in (kc, vc)) * packed_layers
+        # and in memory: the file's tensors, each layer's float32 copy, the kernel's tables
+        held = side + (sum(getattr(c, "working_bytes", 0) for c in (kc, vc))
+                       + kernel_table_bytes) * packed_layers
         codec_desc = "; ".join(f"{w} {describe_codec(c)}" for w, c in params.items())
         return (
             f"lowbit-kv: --kv-cache-dtype {name} ({scheme.summary}); {codec_desc}; "
@@ -405,7 +412,9 @@ class LowBitKVConfig(BaseModel):
             f"{' without retrieval heads' if scheme.retrieval_heads else ''} "
             f"({layout.bytes_per_token:.1f} B/token vs {2 * num_kv_heads * head_dim * model_dtype_bytes} "
             f"in the model dtype)"
-            + (f"; outside the pages: codebooks {side / 2**20:.2f} MiB" if side else ""))
+            + (f"; outside the pages: codebooks {side / 2**20:.2f} MiB in fp16, held in "
+               f"memory with their float32 copies and the kernel's search tables "
+               f"{held / 2**20:.2f} MiB" if side else ""))
 
 
 def describe_codec(codec) -> str:

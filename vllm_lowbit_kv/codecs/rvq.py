@@ -317,6 +317,12 @@ class RVQCodec(BlockCodec):
         """Bytes of this codec's codebooks (one layer), stored outside the pages."""
         return self.num_codebooks * self.codebook_size * self.group_size * 2
 
+    @property
+    def working_bytes(self) -> int:
+        """Bytes this codec holds for its layer beside the file: the codebooks in float32
+        (:attr:`codewords`, what kernels read) and their squared norms."""
+        return self.num_codebooks * self.codebook_size * (self.group_size + 1) * 4
+
     def check_model(self, model: ModelIdentity) -> list[str]:
         """Reasons these codebooks cannot serve ``model`` (empty: they can)."""
         if self.file is None:

@@ -207,6 +207,17 @@ def _search_tables(codec) -> tuple[torch.Tensor, torch.Tensor]:
     return floats, torch.cat([words.reshape(-1), words.transpose(1, 2).reshape(-1)])
 
 
+def rvq_table_bytes(fmt: PageFormat) -> int:
+    """Bytes this kernel keeps for one layer of an RVQ ``fmt`` beside the pages and the
+    codecs' own codebooks: their copy that the kernel reads and the encoder's search tables
+    (:func:`_search_tables`); 0 for formats without RVQ."""
+    if fmt.key_kind != KEY_RVQ and fmt.val_kind != VAL_RVQ:
+        return 0
+    desc = _descriptors(fmt)
+    return sum(t.numel() * t.element_size()
+               for t in (desc.codebooks, desc.search, desc.search_pairs))
+
+
 def _float32_up(x: torch.Tensor) -> torch.Tensor:
     """float64 -> the float32 at or above each element."""
     y = x.float()

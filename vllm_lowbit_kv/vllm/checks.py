@@ -23,7 +23,7 @@ from vllm.platforms.interface import PlatformEnum
 from ..codecs.base import ModelIdentity
 from ..config import ADDITIONAL_CONFIG_KEY, LowBitKVConfig, LowBitKVConfigError
 from .stats import scheme_config
-from ..ops import requested_implementation, unsupported_reason
+from ..ops import cpu, requested_implementation, unsupported_reason
 from ..schemes import KVScheme
 from . import is_lowbit_dtype, scheme_names
 from .eviction import SCHEDULER_CLS, eviction_refusals
@@ -198,6 +198,18 @@ def _attention_impl_reasons(vllm_config: "VllmConfig", scheme: KVScheme, cfg: Lo
     return reasons
 
 
+def _kernel_table_bytes(vllm_config: "VllmConfig", scheme: KVScheme, cfg: LowBitKVConfig,
+                        head_dim: int, kv_heads: int) -> int:
+    """Bytes per packed layer that the C++ kernel keeps beside the codecs' RVQ codebooks,
+    where it is the implementation that runs (the CPU, ``auto`` or ``cpp``)."""
+    if device_type(vllm_config) != "cpu" or requested_implementation(cfg.attention_impl) not in (
+            "auto", "cpp"):
+        return 0
+    layout = page_layout(scheme, head_dim, kv_heads, scheme.block_tokens,
+                         vllm_config.model_config.dtype, layer=0)
+    return 0 if cpu.format_reason(layout.format) else cpu.rvq_table_bytes(layout.format)
+
+
 def _log_once(vllm_config: "VllmConfig", scheme: KVScheme, cfg: LowBitKVConfig) -> None:
     """The effective configuration with its honest bits, then the same as one JSON object
     (what /v1/kv_cache/stats serves as ``scheme``): once per server."""
@@ -207,10 +219,12 @@ def _log_once(vllm_config: "VllmConfig", scheme: KVScheme, cfg: LowBitKVConfig) 
     if os.environ.get(LOGGED_ENV) == marker:
         return
     os.environ[LOGGED_ENV] = marker
+    head_dim = model_config.get_head_size()
+    kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
     logger.info(cfg.summary(
-        name, scheme, head_dim=model_config.get_head_size(),
-        num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+        name, scheme, head_dim=head_dim, num_kv_heads=kv_heads,
         num_layers=model_config.get_total_num_hidden_layers(), block_size=cache_config.block_size,
-        model_dtype_bytes=torch.empty(0, dtype=model_config.dtype).element_size()))
+        model_dtype_bytes=torch.empty(0, dtype=model_config.dtype).element_size(),
+        kernel_table_bytes=_kernel_table_bytes(vllm_config, scheme, cfg, head_dim, kv_heads)))
     logger.info("lowbit-kv: scheme_config %s", json.dumps(scheme_config(vllm_config),
                                                           sort_keys=True))
