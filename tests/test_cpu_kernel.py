@@ -317,11 +317,15 @@ for i, (scheme, params, D, T) in enumerate(cases):
     pages, table, ng, q_start, query = random_case(layout, [3, 9, 0], [2, 1, 1], 6, seed=i)
     check(layout, pages, table, ng, q_start, query.bfloat16(), torch.tensor([2, 0, 0]))
     print(f"{scheme} {params} D={D} T={T} ok", file=sys.stderr, flush=True)
-# the prefill tile path (decoded groups, micro-GEMM) and the dense kernel in this build
+# the prefill tile path (decoded groups, micro-GEMM) and the dense kernel in this build:
+# float32 queries in float32 tiles, bf16 ones as bf16 pairs where it has AVX-512 BF16
+from test_cpu_kernel import BF16_LSE_TOL, BF16_OUT_TOL
 for i, (scheme, params) in enumerate(FORMATS):
     layout = layout_for(scheme, params, H=1, T=32, block_size=64, sinks=2)
     pages, table, ng, q_start, query = random_case(layout, [3, 2], [90, 1], 3, seed=i)
-    check(layout, pages, table, ng, q_start, query.bfloat16(), torch.tensor([2, 0]))
+    check(layout, pages, table, ng, q_start, query, torch.tensor([2, 0]))
+    check(layout, pages, table, ng, q_start, query.bfloat16(), torch.tensor([2, 0]),
+          out_tol=BF16_OUT_TOL, lse_tol=BF16_LSE_TOL)
 from test_cpu_kernel import dense_reference
 q = torch.randn(50, 4, 48)
 out, lse = cpu.dense_attention(q.bfloat16(), q[:, :2].bfloat16(), q[:, 2:].bfloat16(), 0.1,
@@ -351,7 +355,8 @@ m, _ = torch.linalg.qr(torch.randn(64, 64, generator=torch.Generator().manual_se
 layout = layout_for("vidkv", {}, H=2, T=32, block_size=64, sinks=2)
 pages, table, ng, q_start, query = random_case(layout, [3, 1], [2, 1], 6, seed=5)
 check(layout, pages, table, ng, q_start, query.bfloat16(), torch.tensor([2, 0]), rotation=m)
-# the encoder in this build (RVQ: the float32 search where it lacks AVX-512 BF16)
+# the encoder in this build (RVQ: the float32 search where it lacks AVX-512 BF16, vdpbf16ps
+# where it has it without AMX)
 import os, tempfile
 from test_cpu_encoder import FORMATS as ENCODED, check_store, kv
 from vllm_lowbit_kv.codecs.base import ModelIdentity
@@ -436,6 +441,17 @@ def test_avx512_build_without_vbmi(tmp_path):
     if not need <= flags:
         pytest.skip(f"this CPU lacks {sorted(need - flags)}")
     _check_build(tmp_path, "skylake-avx512")
+
+
+def test_avx512_bf16_build_without_amx(tmp_path):
+    """The kernel built for AVX-512 BF16 without AMX (Cooper Lake; Zen 4 likewise: the RVQ
+    encoder's bf16 search by vdpbf16ps for every group, the prefill's pair products on
+    vectors) matches the reference too; skipped where this CPU lacks AVX-512 BF16."""
+    flags = cpu_flags()
+    need = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16"}
+    if not need <= flags:
+        pytest.skip(f"this CPU lacks {sorted(need - flags)}")
+    _check_build(tmp_path, "cooperlake")
 
 
 def test_dispatch_per_layout():
