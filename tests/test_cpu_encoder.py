@@ -134,10 +134,10 @@ def test_rvq_encoder_matches_the_codecs(scheme, dtype, rvq_codebook_file):
 @pytest.mark.parametrize("group_size,T,D", [(16, 32, 64), (64, 8, 64), (64, 24, 64),
                                              (32, 4, 64), (96, 16, 96), (128, 8, 128)])
 def test_rvq_encoder_matches_the_codecs_for_each_search_path(group_size, T, D, rvq_codebook_file):
-    """The search's first pass by vdpbf16ps (group 16, and every group where the CPU has
-    AVX-512 BF16 but no AMX) or by AMX tile multiplies of 16 rows (groups of 32, 64, 96 and
-    128: one to four tiles of channels), including a last block of fewer rows (T x D /
-    group rows: 8, 24, 8 and 8)."""
+    """The search's first pass, 16 rows at a time, by vdpbf16ps (group 16, and every group
+    where the CPU has AVX-512 BF16 but no AMX) or by AMX tile multiplies (groups of 32, 64,
+    96 and 128: one to four tiles of channels), including a last block of fewer rows (T x
+    D / group rows: 8, 24, 8 and 8)."""
     from vllm_lowbit_kv.codecs.base import ModelIdentity
 
     model = ModelIdentity("SmolLM2-135M-Instruct", 30, 3, D)

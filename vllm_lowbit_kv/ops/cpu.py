@@ -188,8 +188,8 @@ def _search_tables(codec) -> tuple[torch.Tensor, torch.Tensor]:
     [K, C] (as the codec computes them); the bf16 pass's error bound terms, with
     c' = bf16(c): ||c|| + ||c' - c|| and 2 ||c' - c|| [K, C] and each stage's largest of
     both [K, 2], rounded up; and, where d is a multiple of 16 up to 128, the words of bf16
-    pairs [K, d / 2, C]: (c'_2j, c'_2j+1), rounded to nearest even, low half first, then
-    the same words code-major [K, C, d / 2] (else none)."""
+    pairs [K, C, d / 2]: (c'_2j, c'_2j+1), rounded to nearest even, low half first (else
+    none)."""
     books = codec.codewords
     norms = (books * books).sum(-1)
     cols = books.transpose(1, 2).contiguous()
@@ -202,9 +202,8 @@ def _search_tables(codec) -> tuple[torch.Tensor, torch.Tensor]:
     d = codec.group_size
     if d % LANES or d > 128:
         return floats, torch.empty(0, dtype=torch.int32)
-    half = cols.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-    words = half[:, 0::2] | (half[:, 1::2] << 16)
-    return floats, torch.cat([words.reshape(-1), words.transpose(1, 2).reshape(-1)])
+    half = books.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return floats, (half[..., 0::2] | (half[..., 1::2] << 16)).reshape(-1)
 
 
 def rvq_table_bytes(fmt: PageFormat) -> int:

@@ -339,30 +339,30 @@ constexpr int kMaxCodes = 1 << 16;  // codes per codebook (indices of at most 16
 // kernel reads them), the same transposed to [K, d, C], ||c||^2 [K, C]; for the bf16
 // pass's error bound (nearest_codes_bf16; c' = bf16(c)) ||c|| + ||c' - c|| [K, C],
 // 2 ||c' - c|| [K, C] and each stage's largest of both [K, 2]; and, where d is a multiple
-// of 16 up to kMaxPairGroup, the bf16 pairs [K, d / 2, C] ((c'_2j, c'_2j+1) of code c in
-// a word) of the first pass, then the same code-major [K, C, d / 2] (its AMX tiles' A).
+// of 16 up to kMaxPairGroup, the first pass's bf16 pairs [K, C, d / 2] ((c'_2j, c'_2j+1)
+// of code c in a word; the AMX tiles' A).
 struct RvqBooks {
   int K = 0, C = 0, d = 0;
   const float *codes = nullptr, *columns = nullptr, *norms = nullptr;
   const float *spread = nullptr, *twice_rounding = nullptr, *largest = nullptr;
-  const uint32_t *pairs = nullptr, *code_pairs = nullptr;
+  const uint32_t* code_pairs = nullptr;
   static bool has_pairs(int64_t d) { return d % kLanes == 0 && d <= kMaxPairGroup; }
   // stage k's part of the tables
   struct Stage {
-    const uint32_t *pairs, *code_pairs;
+    const uint32_t* code_pairs;
     const float *codes, *norms, *spread, *twice_rounding;
     float spread_max, twice_rounding_max;
   };
   Stage stage(int k) const {
     const size_t kc = static_cast<size_t>(k) * C, words = kc * d / 2;
-    return {pairs ? pairs + words : nullptr, code_pairs ? code_pairs + words : nullptr,
+    return {code_pairs ? code_pairs + words : nullptr,
             codes + kc * d, norms + kc, spread + kc, twice_rounding + kc, largest[2 * k],
             largest[2 * k + 1]};
   }
   // whether the search runs as AMX tile multiplies (nearest_codes_tiles)
   bool amx_search() const {
 #if defined(LOWBIT_AMX)
-    return pairs && d % 32 == 0 && C % 32 == 0 && amx_granted();
+    return code_pairs && d % 32 == 0 && C % 32 == 0 && amx_granted();
 #else
     return false;
 #endif
@@ -371,7 +371,7 @@ struct RvqBooks {
     return desc[RV_K] * desc[RV_C] * (desc[RV_GROUP] + 3) + 2 * desc[RV_K];
   }
   static int64_t pair_words(const std::vector<int64_t>& desc) {
-    return has_pairs(desc[RV_GROUP]) ? desc[RV_K] * desc[RV_C] * desc[RV_GROUP] : 0;
+    return has_pairs(desc[RV_GROUP]) ? desc[RV_K] * desc[RV_C] * desc[RV_GROUP] / 2 : 0;
   }
   // points into the call's tensors and advances past this role's part
   void take(const std::vector<int64_t>& desc, const float*& books, const float*& search,
@@ -389,7 +389,7 @@ struct RvqBooks {
     largest = twice_rounding + kc;
     search = largest + 2 * K;
 #if defined(__AVX512BF16__)
-    if (has_pairs(d)) pairs = pair_words_at, code_pairs = pair_words_at + kc * d / 2;
+    if (has_pairs(d)) code_pairs = pair_words_at;
 #endif
     pair_words_at += pair_words(desc);
   }
@@ -456,31 +456,6 @@ void nearest_codes(const float* const* r, const RvqBooks& b, int k, int32_t* out
 }
 
 #if defined(__AVX512BF16__)
-// approx[i * C + c] = ||c||^2 - 2 r_i.c in bf16 products (float32 sums) of NV * 16 codes
-// from c0; w: bf16 pairs of -2 r_i, [R][d / 2] (the bf16 values in channel order)
-template <int R, int NV>
-inline void approx_distances(const uint32_t* w, int half, const uint32_t* pairs,
-                             const float* norms, int C, int c0, float* approx) {
-  __m512 acc[R][NV];
-  for (int v = 0; v < NV; ++v) {
-    const __m512 n = _mm512_loadu_ps(norms + c0 + v * kLanes);
-    for (int i = 0; i < R; ++i) acc[i][v] = n;
-  }
-  for (int j = 0; j < half; ++j) {
-    const uint32_t* row = pairs + static_cast<size_t>(j) * C + c0;
-    __m512bh wj[R];
-    for (int i = 0; i < R; ++i)
-      wj[i] = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(w[i * half + j])));
-    for (int v = 0; v < NV; ++v) {
-      const __m512bh c = reinterpret_cast<__m512bh>(_mm512_loadu_si512(row + v * kLanes));
-      for (int i = 0; i < R; ++i) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], wj[i], c);
-    }
-  }
-  for (int i = 0; i < R; ++i)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(approx + i * C + c0 + v * kLanes, acc[i][v]);
-}
-
-
 // a candidate's float32 distance ||c||^2 - 2 r.c (codes [C, d]), kept in best / found when
 // smaller: given in ascending order, the lowest index among equal distances wins (argmin)
 inline void keep_nearer(const float* r, const float* codes, const float* norms, int d, int c,
@@ -495,102 +470,12 @@ inline void keep_nearer(const float* r, const float* codes, const float* norms, 
   found = closer ? c : found;
 }
 
-// nearest_codes in two passes: every distance in bf16 products (vdpbf16ps, twice
-// float32's multiply-add rate), then in float32 only the codes the pass cannot tell from
-// the nearest. With w = bf16(-2 r) = -2 r + e_r and c' = bf16(c) = c + e_c, the pass sums
-// w.c' = -2 r.c + e_r.c' - 2 r.e_c exactly in its products (bf16 products are exact in
-// float32), so by Cauchy-Schwarz it is off by at most
-//     bound(c) = ||e_r|| (||c|| + ||e_c||) + ||r|| 2 ||e_c|| + s,
-// s its float32 sums' rounding (d + 1 <= 129 roundings, the norm's included, of at most
-// 2^-24 (||c||^2 + 2 ||r|| ||c'||): under 1.6e-5 ||r|| c'max + 1e-5 c'max^2; DAZ/FTZ
-// moves a product by under 2^-126 |c_j|). The nearest code c* has approx(c*) - bound(c*)
-// <= its distance <= every code's distance <= min approx + max bound, so the candidates
-// are the codes with approx(c) - bound(c) <= min approx + max bound (about 1.2 per row on
-// SmolLM2's K and V; the codes' own bounds, not the largest, make most rows single). The
-// candidates are the set bits of the compare masks, read 64 codes at a time; a single
-// candidate is the answer without its float32 distance. The pass as vdpbf16ps of R rows
-// (nearest_codes_tiles runs it as AMX tile multiplies); approx: scratch of R * C floats. d
-// a multiple of 16, at most kMaxPairGroup.
-template <int R>
-void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, int32_t* out,
-                        float* approx) {
-  const int d = b.d, C = b.C, half = d / 2;
-  const RvqBooks::Stage st = b.stage(k);
-  // the norms below carry float32 rounding of a few parts in 2^24 at most: 2^-12 covers it
-  constexpr float kSlack = 1.f + 1.f / 4096;
-  uint32_t w[R * kMaxPairGroup / 2];
-  float r_norm[R], w_error[R], sums[R];
-  for (int i = 0; i < R; ++i) {
-    __m512 rr = _mm512_setzero_ps(), ee = _mm512_setzero_ps();
-    for (int j = 0; j < d; j += kLanes) {
-      const __m512 x = _mm512_loadu_ps(r[i] + j), w2 = _mm512_mul_ps(x, _mm512_set1_ps(-2.f));
-      const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(w2));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + i * half + j / 2), bits);
-      const __m512 e = _mm512_sub_ps(  // exact: a float minus its rounding to 8 bits
-          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)), w2);
-      rr = _mm512_fmadd_ps(x, x, rr);
-      ee = _mm512_fmadd_ps(e, e, ee);
-    }
-    r_norm[i] = std::sqrt(_mm512_reduce_add_ps(rr)) * kSlack;
-    w_error[i] = std::sqrt(_mm512_reduce_add_ps(ee)) * kSlack;
-    sums[i] = (1.6e-5f * r_norm[i] + 1e-5f * st.spread_max) * st.spread_max + 1e-30f;
-  }
-  int c0 = 0;
-  for (; c0 + kCodeVectors * kLanes <= C; c0 += kCodeVectors * kLanes)
-    approx_distances<R, kCodeVectors>(w, half, st.pairs, st.norms, C, c0, approx);
-  for (; c0 < C; c0 += kLanes)
-    approx_distances<R, 1>(w, half, st.pairs, st.norms, C, c0, approx);
-  for (int i = 0; i < R; ++i) {
-    const float* a = approx + i * C;
-    __m512 lo = _mm512_loadu_ps(a);
-    for (int c0 = kLanes; c0 < C; c0 += kLanes) lo = _mm512_min_ps(lo, _mm512_loadu_ps(a + c0));
-    const __m512 limit = _mm512_set1_ps(_mm512_reduce_min_ps(lo) +
-                                        w_error[i] * st.spread_max +
-                                        r_norm[i] * st.twice_rounding_max + sums[i]);
-    const __m512 we = _mm512_set1_ps(w_error[i]), rn = _mm512_set1_ps(r_norm[i]);
-    const __m512 s = _mm512_set1_ps(sums[i]);
-    // the candidates as a bitmap of the codes (16 per compare, read back 64 at a time):
-    // about one in all, so the loop below runs a few times
-    __mmask16 masks[kMaxCodes / kLanes + 3];
-    const int blocks = C / kLanes;
-    for (int blk = 0; blk < blocks; ++blk) {
-      const int c0 = blk * kLanes;
-      const __m512 bound = _mm512_fmadd_ps(
-          we, _mm512_loadu_ps(st.spread + c0),
-          _mm512_fmadd_ps(rn, _mm512_loadu_ps(st.twice_rounding + c0), s));
-      masks[blk] = _mm512_cmp_ps_mask(_mm512_sub_ps(_mm512_loadu_ps(a + c0), bound), limit,
-                                      _CMP_LE_OQ);
-    }
-    std::fill(masks + blocks, masks + blocks + 3, __mmask16{0});  // the last word's rest
-    int candidates = 0;
-    int32_t found = 0;
-    for (int c0 = 0; c0 < C; c0 += 64) {
-      uint64_t bits;
-      std::memcpy(&bits, masks + c0 / kLanes, sizeof bits);
-      candidates += __builtin_popcountll(bits);
-      if (bits) found = c0 + __builtin_ctzll(bits);
-    }
-    if (candidates == 1) {  // the float32 nearest is among the candidates: it is this one
-      out[i] = found;
-      continue;
-    }
-    float best = std::numeric_limits<float>::infinity();
-    for (int c0 = 0; c0 < C; c0 += 64) {
-      uint64_t bits;
-      std::memcpy(&bits, masks + c0 / kLanes, sizeof bits);
-      for (; bits; bits &= bits - 1)
-        keep_nearer(r[i], st.codes, st.norms, d, c0 + __builtin_ctzll(bits), best, found);
-    }
-    out[i] = found;
-  }
-}
-
-#if defined(LOWBIT_AMX)
-// nearest_codes_bf16's w, ||r||, ||e_r|| and s for kTileRows rows, the rows in lanes:
-// wt[j][i] = word j of row i (the tiles' B), the others one vector each
+// The rows' side of the first pass below, kTileRows rows in lanes: wt[j][i] = word j of
+// row i (bf16 pairs of -2 r_i, the tiles' B), ||r||, ||e_r|| and s one vector each
 inline void residual_words(const float* const* r, int d, float spread_max, uint32_t* wt,
                            __m512& w_error, __m512& r_norm, __m512& sums) {
-  constexpr float kSlack = 1.f + 1.f / 4096;  // as in nearest_codes_bf16
+  // the norms carry float32 rounding of a few parts in 2^24 at most: 2^-12 covers it
+  constexpr float kSlack = 1.f + 1.f / 4096;
   __m512 rr = _mm512_setzero_ps(), ee = _mm512_setzero_ps();
   for (int j0 = 0; j0 < d; j0 += L) {
     vf x[L];  // x[j]: channel j0 + j of the 16 rows
@@ -619,26 +504,41 @@ inline void residual_words(const float* const* r, int d, float spread_max, uint3
       _mm512_set1_ps(1e-30f));
 }
 
-// nearest_codes_bf16 for kTileRows rows with the first pass as AMX tile multiplies of a
-// stage's codes (A: 16 codes' bf16 pairs, b.code_pairs) by the rows' words (B: w
-// transposed), so that the distances come out code-major: dist[c] is one vector with a
-// lane per row, and every step after the products runs on all 16 rows at once, with no
-// horizontal reduction and no branch per row. ||c||^2 is added after the products' sums
-// (within the bound's s, above). A code can be a candidate (dist - bound(c) <=
-// limit) only if dist <= limit + max bound, so one compare a code finds the few codes some
-// row may take (hits), and only those get their own bound; a row with one candidate takes
-// it, the others compare their candidates' float32 distances as nearest_codes_bf16 does.
-// d a multiple of 32 up to kMaxPairGroup, C of 32; dist: scratch of 16 C floats (64-byte
-// aligned), hits: of 2 C + 32 (each code's compare mask, then the hit codes and their rows'
-// candidate masks).
-void nearest_codes_tiles(const float* const* r, const RvqBooks& b, int k, int32_t* out,
-                         float* dist, uint16_t* hits) {
+// dist[c][i] = w_i.c' for every code c of the stage (code_pairs: [C, d / 2] words) and the
+// kTileRows rows' words wt, in vdpbf16ps: each code's word broadcast against the rows'
+// words, four codes at a time (one load of the rows' words serves them)
+inline void pair_distances(const uint32_t* wt, int half, const uint32_t* code_pairs, int C,
+                           float* dist) {
+  constexpr int R = kTileRows, U = 4;
+  const auto word = [&](int c, int j) {
+    return reinterpret_cast<__m512bh>(_mm512_set1_epi32(
+        static_cast<int>(code_pairs[static_cast<size_t>(c) * half + j])));
+  };
+  int c0 = 0;
+  for (; c0 + U <= C; c0 += U) {
+    __m512 acc[U];
+    for (int u = 0; u < U; ++u) acc[u] = _mm512_setzero_ps();
+    for (int j = 0; j < half; ++j) {
+      const __m512bh w = reinterpret_cast<__m512bh>(_mm512_load_si512(wt + j * R));
+      for (int u = 0; u < U; ++u) acc[u] = _mm512_dpbf16_ps(acc[u], w, word(c0 + u, j));
+    }
+    for (int u = 0; u < U; ++u) _mm512_storeu_ps(dist + (c0 + u) * R, acc[u]);
+  }
+  for (; c0 < C; ++c0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int j = 0; j < half; ++j)
+      acc = _mm512_dpbf16_ps(
+          acc, reinterpret_cast<__m512bh>(_mm512_load_si512(wt + j * R)), word(c0, j));
+    _mm512_storeu_ps(dist + c0 * R, acc);
+  }
+}
+
+#if defined(LOWBIT_AMX)
+// pair_distances as AMX tile multiplies: A 16 codes' words, B the rows' words (d a multiple
+// of 32 up to kMaxPairGroup, C of 32)
+inline void tile_distances(const uint32_t* wt, int half, const uint32_t* code_pairs, int C,
+                           float* dist) {
   constexpr int R = kTileRows;
-  const int d = b.d, C = b.C, half = d / 2;
-  const RvqBooks::Stage st = b.stage(k);
-  alignas(64) uint32_t wt[kMaxPairGroup / 2 * R];
-  __m512 we, rn, s;
-  residual_words(r, d, st.spread_max, wt, we, rn, s);
   // tiles 4.. hold wt (one per 32 channels), 0-1 the sums, 2-3 the codes
   const int b_tiles = half / 16;
   switch (b_tiles) {  // tile numbers are immediates
@@ -648,7 +548,7 @@ void nearest_codes_tiles(const float* const* r, const RvqBooks& b, int k, int32_
     default: _tile_loadd(4, wt, 64);
   }
   const auto multiply = [&](int t, int c0) {
-    const uint32_t* a = st.code_pairs + static_cast<size_t>(c0) * half + 16 * t;
+    const uint32_t* a = code_pairs + static_cast<size_t>(c0) * half + 16 * t;
     _tile_loadd(2, a, half * 4);
     _tile_loadd(3, a + 16 * half, half * 4);
     switch (t) {
@@ -665,6 +565,44 @@ void nearest_codes_tiles(const float* const* r, const RvqBooks& b, int k, int32_
     _tile_stored(0, dist + c0 * R, 64);
     _tile_stored(1, dist + (c0 + 16) * R, 64);
   }
+}
+#endif
+
+// nearest_codes for kTileRows rows in two passes: every distance in bf16 products (twice
+// float32's multiply-add rate or more), then in float32 only the codes the pass cannot
+// tell from the nearest. With w = bf16(-2 r) = -2 r + e_r and c' = bf16(c) = c + e_c, the
+// pass sums w.c' = -2 r.c + e_r.c' - 2 r.e_c exactly in its products (bf16 products are
+// exact in float32), so by Cauchy-Schwarz it is off by at most
+//     bound(c) = ||e_r|| (||c|| + ||e_c||) + ||r|| 2 ||e_c|| + s,
+// s its float32 sums' rounding (d + 1 <= 129 roundings, the norm's included, of at most
+// 2^-24 (||c||^2 + 2 ||r|| ||c'||): under 1.6e-5 ||r|| c'max + 1e-5 c'max^2; DAZ/FTZ
+// moves a product by under 2^-126 |c_j|). The nearest code c* has approx(c*) - bound(c*)
+// <= its distance <= every code's distance <= min approx + max bound, so the candidates
+// are the codes with approx(c) - bound(c) <= min approx + max bound (the codes' own
+// bounds, not the largest, make most rows single: about 1.2 per row on SmolLM2's K and V).
+// The pass (AMX tile multiplies where `tiles`, else vdpbf16ps) gives the distances code-major,
+// dist[c] one vector with a lane per row, so that every step after it runs on all 16 rows
+// at once, with no horizontal reduction and no branch per row. A code can be a candidate
+// only if dist <= limit + max bound, so one compare a code finds the few codes some row
+// may take (hits), and only those get their own bound; a row with one candidate takes it
+// without its float32 distance, the others compare their candidates' float32 distances.
+// d a multiple of 16 up to kMaxPairGroup; dist: scratch of 16 C floats (64-byte aligned),
+// hits: of 2 C + 32 (each code's compare mask, then the hit codes and their rows'
+// candidate masks).
+void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, bool tiles,
+                        int32_t* out, float* dist, uint16_t* hits) {
+  constexpr int R = kTileRows;
+  const int d = b.d, C = b.C, half = d / 2;
+  const RvqBooks::Stage st = b.stage(k);
+  alignas(64) uint32_t wt[kMaxPairGroup / 2 * R];
+  __m512 we, rn, s;
+  residual_words(r, d, st.spread_max, wt, we, rn, s);
+#if defined(LOWBIT_AMX)
+  if (tiles)
+    tile_distances(wt, half, st.code_pairs, C, dist);
+  else
+#endif
+    pair_distances(wt, half, st.code_pairs, C, dist);
   // each code's distances, its norm added (stored back for the compares below), and their
   // minimum, four chains
   const auto distance = [&](int c) {
@@ -673,9 +611,12 @@ void nearest_codes_tiles(const float* const* r, const RvqBooks& b, int k, int32_
     _mm512_storeu_ps(dist + c * R, x);
     return x;
   };
-  __m512 lo[4] = {distance(0), distance(1), distance(2), distance(3)};
-  for (int c = 4; c < C; c += 4)
+  const __m512 far = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  __m512 lo[4] = {far, far, far, far};
+  int c = 0;
+  for (; c + 4 <= C; c += 4)
     for (int j = 0; j < 4; ++j) lo[j] = _mm512_min_ps(lo[j], distance(c + j));
+  for (; c < C; ++c) lo[0] = _mm512_min_ps(lo[0], distance(c));
   const __m512 widest =
       _mm512_fmadd_ps(we, _mm512_set1_ps(st.spread_max),
                       _mm512_fmadd_ps(rn, _mm512_set1_ps(st.twice_rounding_max), s));
@@ -684,27 +625,28 @@ void nearest_codes_tiles(const float* const* r, const RvqBooks& b, int k, int32_
   // a candidate's dist is at most limit + its bound <= limit + widest; s more covers the
   // rounding of that sum (a few parts in 2^24 of it, far below s)
   const __m512 reach = _mm512_add_ps(_mm512_add_ps(limit, widest), s);
-  for (int c = 0; c < C; ++c)
+  for (c = 0; c < C; ++c)
     hits[c] = _mm512_cmp_ps_mask(_mm512_loadu_ps(dist + c * R), reach, _CMP_LE_OQ);
+  std::fill(hits + C, hits + C + 32, uint16_t{0});  // the last 32 masks' read
   // the hit codes' own bounds: per row the count of candidates and the last one
   __m512i count = _mm512_setzero_si512(), last = _mm512_setzero_si512();
   int listed = 0;
   // the hit codes (ascending) overwrite masks already read; their candidate rows after them
-  uint16_t *list = hits, *candidate = hits + C;
+  uint16_t *list = hits, *candidate = hits + C + 32;
   for (int c0 = 0; c0 < C; c0 += 32) {
     for (uint32_t any = _mm512_test_epi16_mask(_mm512_loadu_si512(hits + c0),
                                                _mm512_set1_epi16(-1));
          any; any &= any - 1) {
-      const int c = c0 + __builtin_ctz(any);
+      const int h = c0 + __builtin_ctz(any);
       const __m512 bound =
-          _mm512_fmadd_ps(we, _mm512_set1_ps(st.spread[c]),
-                          _mm512_fmadd_ps(rn, _mm512_set1_ps(st.twice_rounding[c]), s));
+          _mm512_fmadd_ps(we, _mm512_set1_ps(st.spread[h]),
+                          _mm512_fmadd_ps(rn, _mm512_set1_ps(st.twice_rounding[h]), s));
       const __mmask16 in = _mm512_cmp_ps_mask(
-          _mm512_sub_ps(_mm512_loadu_ps(dist + c * R), bound), limit, _CMP_LE_OQ);
+          _mm512_sub_ps(_mm512_loadu_ps(dist + h * R), bound), limit, _CMP_LE_OQ);
       count = _mm512_mask_add_epi32(count, in, count, _mm512_set1_epi32(1));
-      last = _mm512_mask_mov_epi32(last, in, _mm512_set1_epi32(c));
+      last = _mm512_mask_mov_epi32(last, in, _mm512_set1_epi32(h));
       candidate[listed] = in;
-      list[listed++] = static_cast<uint16_t>(c);
+      list[listed++] = static_cast<uint16_t>(h);
     }
   }
   // a row with one candidate takes it (the float32 nearest is among them); the others
@@ -725,7 +667,6 @@ void nearest_codes_tiles(const float* const* r, const RvqBooks& b, int k, int32_
     out[i] = found;
   }
 }
-#endif
 #endif
 
 // population std of x[0, n) in double: mean and variance as eight partial sums each (lanes
@@ -762,7 +703,7 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
   s.indices.resize(static_cast<size_t>(rows) * K);
   s.work.resize(static_cast<size_t>(kTileRows) * b.C + kLanes);  // the bf16 pass's distances
   float* distances = aligned_floats(s.work.data());
-  s.hits.resize(2 * static_cast<size_t>(b.C) + 32);  // + a last 32 masks' read
+  s.hits.resize(2 * static_cast<size_t>(b.C) + 64);  // + a last 32 masks' read, twice
   for (int t = 0; t < T; ++t) {
     const float* row = x + static_cast<size_t>(t) * D;
     s.lo[t] = to_half(static_cast<float>(population_std(row, D)));
@@ -772,8 +713,8 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
       for (int j = 0; j < d; ++j) z[g * d + j] = row[strided ? j * n + g : g * d + j] / scale;
   }
   int32_t* idx = s.indices.data();
-  const bool tiles = b.amx_search();
-  const int step = tiles ? kTileRows : kSearchRows;
+  const bool pairs = b.code_pairs != nullptr, tiles = b.amx_search();
+  const int step = pairs ? kTileRows : kSearchRows;
 #if defined(LOWBIT_AMX)
   if (tiles) load_tile_config();  // the thread's, and nothing else in this loop loads its own
 #endif
@@ -783,14 +724,9 @@ void rvq(const float* x, int T, int D, const int64_t* desc, const RvqBooks& b, u
       const float* r[kTileRows];  // the last rows repeat the first of a short block, kept once
       for (int a = 0; a < step; ++a) r[a] = s.y.data() + static_cast<size_t>(i + a % m) * d;
       int32_t found[kTileRows];
-#if defined(LOWBIT_AMX)
-      if (tiles)
-        nearest_codes_tiles(r, b, k, found, distances, s.hits.data());
-      else
-#endif
 #if defined(__AVX512BF16__)
-      if (b.pairs)
-        nearest_codes_bf16<kSearchRows>(r, b, k, found, distances);
+      if (pairs)
+        nearest_codes_bf16(r, b, k, tiles, found, distances, s.hits.data());
       else
 #endif
         nearest_codes<kSearchRows>(r, b, k, found);
