@@ -324,13 +324,13 @@ void ternary_value(const float* x, int T, int D, const int64_t* d, float gamma, 
 }
 
 // -- RVQ (rvq.py, seed 001) -------------------------------------------------------------
-constexpr int kLanes = 16;       // codes per vector of the bf16 pass (C: a multiple of it)
-constexpr int kCodeVectors = 8;  // 128 codes' distances in registers per pass over r
-// the float32 search's vectors (vectors.h: L lanes) per pass: the same with AVX-512; with
-// AVX2's 16 registers, 2 rows x 4 distances, their best and code, a code and 2 broadcasts
-constexpr int kSearchVectors = L == 16 ? kCodeVectors : 4;
+constexpr int kLanes = 16;  // floats per AVX-512 vector (C and the bf16 pass's d: multiples)
+// the float32 search's vectors (vectors.h: L lanes) per pass: 128 codes' distances with
+// AVX-512; with AVX2's 16 registers, 2 rows x 4 distances, their best and code, a code
+// and 2 broadcasts
+constexpr int kSearchVectors = L == 16 ? 8 : 4;
 constexpr int kSearchRows = 2;   // residual rows searched together (sharing code loads)
-constexpr int kTileRows = 16;    // the same with AMX: one tile of rows
+constexpr int kTileRows = 16;    // the same in the bf16 pass: a row per lane (an AMX tile's)
 constexpr int kMaxPairGroup = 128;  // widest channel group of the bf16 pass
 constexpr int kMaxCodes = 1 << 16;  // codes per codebook (indices of at most 16 bits)
 
@@ -359,7 +359,7 @@ struct RvqBooks {
             codes + kc * d, norms + kc, spread + kc, twice_rounding + kc, largest[2 * k],
             largest[2 * k + 1]};
   }
-  // whether the search runs as AMX tile multiplies (nearest_codes_tiles)
+  // whether the bf16 pass runs as AMX tile multiplies (tile_distances)
   bool amx_search() const {
 #if defined(LOWBIT_AMX)
     return code_pairs && d % 32 == 0 && C % 32 == 0 && amx_granted();
