@@ -171,6 +171,24 @@ def test_kernel_reads_rvq_pages_of_any_group_size(group_size, rvq_codebook_file)
     check(layout, pages, table, ng, q_start, query, torch.tensor([4, 0, 0]))
 
 
+def test_kernel_reads_rvq_values_beside_other_keys(rvq_codebook_file):
+    """The retrieval heads of an RVQ scheme with retrieval_keys_only: kivi4 keys, RVQ
+    values (the kernel's codebooks the values' alone), decode rows and a prefill chunk
+    (tiles), and the encoder writes the same bytes as the codecs."""
+    from test_cpu_encoder import check_store, kv
+
+    scheme = get_scheme("rvq4x256").with_params(
+        codebook=str(rvq_codebook_file("rvq4x256")), retrieval_heads=1,
+        retrieval_keys_only=True)
+    kc, vc = scheme.retrieval_codecs(64, 32, layer=0)
+    assert (type(kc).__name__, type(vc).__name__) == ("KiviCodec", "RVQValueCodec")
+    layout = PagedLayout(kc, vc, 3, 96, 4)
+    pages, table, ng, q_start, query = random_case(layout, [5, 0, 3], [3, 1, 90], Hq=9,
+                                                   seed=4)
+    check(layout, pages, table, ng, q_start, query, torch.tensor([4, 0, 0]))
+    check_store(layout, *kv(3, 32, 3, 64, torch.bfloat16, seed=4))
+
+
 @pytest.mark.parametrize("scheme", RVQ_SCHEMES)
 def test_rvq_tables_match_reference(scheme, rvq_codebook_file):
     """Long contexts, where the kernel reads RVQ codes through per-query tables (scores as

@@ -141,18 +141,24 @@ def test_bits_are_honest():
 
 
 def test_startup_line_counts_what_the_codebooks_hold_in_memory(rvq_codebook_file):
-    """Beside the file's fp16 codebooks, every packed layer holds per K/V role: the codec's
-    float32 codes and norms, the C++ kernel's float32 copy, the search's transposed codes,
-    norms, bound terms (3 K C + 2 K floats) and bf16 pair words (K C d / 2 int32); the
-    start-up line adds them up."""
+    """Beside the file's fp16 codebooks, every packed layer holds per K/V role: the codecs'
+    float32 codes (which the C++ kernel reads too, not a copy) and norms, the search's
+    transposed codes, norms, bound terms (3 K C + 2 K floats) and bf16 pair words (K C d / 2
+    int32); the start-up line adds them up."""
     from vllm_lowbit_kv.ops import cpu
 
     K, C, d, layers = 4, 256, 32, 30
     cfg = LowBitKVConfig.parse({"codebook": str(rvq_codebook_file("rvq4x256"))})
     scheme = cfg.scheme("rvq4x256")
     kc, vc = scheme.codecs(64, layer=0)
-    tables = cpu.rvq_table_bytes(scheme.layout(64, 3, 512, torch.bfloat16, 0).format)
-    assert tables == 2 * 4 * (K * C * d + K * C * (d + 3) + 2 * K + K * C * d // 2)
+    fmt = scheme.layout(64, 3, 512, torch.bfloat16, 0).format
+    tables = cpu.rvq_table_bytes(fmt)
+    # one float32 copy of a layer's codebooks: its codecs' (every instance), the kernel's
+    codes = kc.codewords.data_ptr()
+    assert scheme.codecs(64, layer=0)[0].codewords.data_ptr() == codes
+    assert vc.codewords.data_ptr() == codes + kc.codewords.nbytes
+    assert cpu._descriptors(fmt).codebooks.data_ptr() == codes
+    assert tables == 2 * 4 * (K * C * (d + 3) + 2 * K + K * C * d // 2)
     assert kc.working_bytes == vc.working_bytes == 4 * K * C * (d + 1)
     held = 2 * layers * (K * C * d * 2 + 4 * K * C * (d + 1)) + layers * tables
     line = cfg.summary("rvq4x256", scheme, head_dim=64, num_kv_heads=3, num_layers=layers,

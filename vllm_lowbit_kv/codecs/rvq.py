@@ -173,9 +173,17 @@ class RVQCodebooks:
         self.model, self.settings = model, settings
         self.provenance = dict(provenance or {})
         self.source = source
+        self._float_layers: dict[int, torch.Tensor] = {}
 
     def tensor(self, role: str) -> torch.Tensor:
         return self.key if role == "key" else self.value
+
+    def layer_codewords(self, layer: int) -> torch.Tensor:
+        """float32 [2, K, C, group_size]: one layer's key and value codebooks, made once:
+        every codec of the layer reads its role's half, kernels the pair as it is."""
+        if layer not in self._float_layers:
+            self._float_layers[layer] = torch.stack([self.key[layer], self.value[layer]]).float()
+        return self._float_layers[layer]
 
     @property
     def nbytes(self) -> int:
@@ -309,7 +317,7 @@ class RVQCodec(BlockCodec):
         if layer is not None:
             require(layer < books.model.num_layers, "layer",
                     f"an index in [0, {books.model.num_layers}) (layers in {books.source})", layer)
-            self._books = books.tensor(self.role)[layer].float()  # [K, C, group_size]
+            self._books = books.layer_codewords(layer)[ROLES.index(self.role)]  # [K, C, d^]
             self._norms = (self._books * self._books).sum(-1)
 
     @property
@@ -382,3 +390,12 @@ class RVQValueCodec(RVQCodec):
 
     role = "value"
     default_grouping = "contiguous"
+
+
+def joint_codewords(key: RVQKeyCodec, value: RVQValueCodec) -> torch.Tensor:
+    """float32, flat: the keys' codebooks then the values', as kernels take them: the
+    file's tensor of the layer (:meth:`RVQCodebooks.layer_codewords`), not a copy."""
+    require(key.file is not None and key.file is value.file and key.layer == value.layer,
+            "RVQ codecs", "keys and values of one codebook file and layer",
+            (key.codebook, key.layer, value.codebook, value.layer))
+    return key.file.layer_codewords(key.layer).reshape(-1)

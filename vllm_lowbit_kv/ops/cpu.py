@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 
 from ..codecs.base import require_fp16_range
+from ..codecs.rvq import joint_codewords
 from ..paths import extension_build_root
 from . import reference
 from .page_format import (KEY_KIVI_CHANNEL, KEY_RVQ, KEY_VIDKV, VAL_KIVI_CHANNEL,
@@ -208,13 +209,12 @@ def _search_tables(codec) -> tuple[torch.Tensor, torch.Tensor]:
 
 def rvq_table_bytes(fmt: PageFormat) -> int:
     """Bytes this kernel keeps for one layer of an RVQ ``fmt`` beside the pages and the
-    codecs' own codebooks: their copy that the kernel reads and the encoder's search tables
+    codecs' own codebooks (which it reads as they are): the encoder's search tables
     (:func:`_search_tables`); 0 for formats without RVQ."""
     if fmt.key_kind != KEY_RVQ and fmt.val_kind != VAL_RVQ:
         return 0
     desc = _descriptors(fmt)
-    return sum(t.numel() * t.element_size()
-               for t in (desc.codebooks, desc.search, desc.search_pairs))
+    return sum(t.numel() * t.element_size() for t in (desc.search, desc.search_pairs))
 
 
 def _float32_up(x: torch.Tensor) -> torch.Tensor:
@@ -226,9 +226,7 @@ def _float32_up(x: torch.Tensor) -> torch.Tensor:
 def _descriptors(fmt: PageFormat) -> Descriptors:
     k = fmt.koff
     v = lambda f: fmt.voff(f) - fmt.k_bytes if f in fmt.val_off else -1  # noqa: E731
-    books = []  # the layer's RVQ codebooks, keys' then values'
     if fmt.key_kind == KEY_RVQ:
-        books.append(fmt.key_codec.codewords.reshape(-1))
         key = _rvq(KEY_RVQ, fmt.key_codec, k)
     elif fmt.key_kind == KEY_KIVI_CHANNEL:
         key = [KEY_KIVI_CHANNEL, fmt.key_bits, k("codes"), k("scale"), k("zero")]
@@ -238,7 +236,6 @@ def _descriptors(fmt: PageFormat) -> Descriptors:
                k("prot_zero"), k("tok_mask"), k("prot_codes"), k("chan_mask"), k("scale2"),
                k("zero2"), k("codes2"), k("codes1"), k(lo), k(hi)]
     if fmt.val_kind == VAL_RVQ:
-        books.append(fmt.value_codec.codewords.reshape(-1))
         value = _rvq(VAL_RVQ, fmt.value_codec, v)
     elif fmt.val_kind == VAL_KIVI_TOKEN:
         value = [VAL_KIVI_TOKEN, fmt.val_bits, fmt.val_group, v("codes"), v("scale"), v("zero")]
@@ -250,10 +247,12 @@ def _descriptors(fmt: PageFormat) -> Descriptors:
     fft = fft_matrix("inverse_t", fmt.n1, fmt.n1, "cpu") if fmt.fft else torch.empty(0)
     geometry = [fmt.T, fmt.D, fmt.H, fmt.groups_per_block, fmt.sink_bytes, fmt.state_bytes,
                 fmt.k_bytes]
-    codebooks = torch.cat(books).float().contiguous() if books else torch.empty(0)
-    tables = [_search_tables(c) for c, rvq in ((fmt.key_codec, fmt.key_kind == KEY_RVQ),
-                                               (fmt.value_codec, fmt.val_kind == VAL_RVQ))
-              if rvq]
+    # the layer's RVQ codebooks, keys' then values' (values alone: retrieval heads' keys-only)
+    rvq = [c for c, kind in ((fmt.key_codec, fmt.key_kind == KEY_RVQ),
+                             (fmt.value_codec, fmt.val_kind == VAL_RVQ)) if kind]
+    codebooks = (joint_codewords(*rvq) if len(rvq) == 2 else
+                 rvq[0].codewords.reshape(-1) if rvq else torch.empty(0))
+    tables = [_search_tables(c) for c in rvq]
     search = torch.cat([t[0] for t in tables]) if tables else torch.empty(0)
     pairs = torch.cat([t[1] for t in tables]) if tables else torch.empty(0, dtype=torch.int32)
     # the kernel's key tables read the keys' codebooks transposed: their search tables' head
