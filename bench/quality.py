@@ -225,6 +225,7 @@ class Engine(ABC):
         return [self.greedy(ids, n, chunk, reference=r) for r in refs]
 
 
+@lru_cache(maxsize=2)
 def model_head_dim(model_dir: str | Path) -> int:
     """The model's head size from its configuration (what scheme parameters are checked for)."""
     from transformers import AutoConfig
