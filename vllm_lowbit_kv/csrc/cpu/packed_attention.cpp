@@ -1947,6 +1947,13 @@ struct Run {
   // nullptr; the query is read as q M, the output written as o M^T
   const float* rot;
   const float* rot_t;
+
+  // the state of group gi of item it's request (its group table's entry) and KV head
+  const uint8_t* state(const Item& it, int64_t gi) const {
+    const int64_t gid = table[it.r * table_stride + gi];
+    return pages + (gid / f->N) * block_stride + it.h * head_stride + f->sink_bytes +
+           (gid % f->N) * f->state_bytes;
+  }
 };
 
 // dst[0, D) = the query vector of (row, head) times scale, as float32
@@ -2137,7 +2144,8 @@ void decode_tiles(const Format& f, const uint8_t* st, Work& wk) {
 
 // Online softmax over the item's groups. Leaves acc (unnormalized), mrun (running max)
 // and lsum (sum of exp(score - mrun)) for the M = rows * G query vectors.
-void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun, float* lsum) {
+void run_item(const Run& run, const Item& it, const Item* after, Work& wk, float* acc,
+              float* mrun, float* lsum) {
   const Format& f = *run.f;
   const int T = f.T, D = f.D, TP = f.TP;
   const int64_t q0 = run.q_start[it.r], rows = run.q_start[it.r + 1] - q0;
@@ -2173,18 +2181,16 @@ void run_item(const Run& run, const Item& it, Work& wk, float* acc, float* mrun,
     wk.rvq.corr.assign(wk.rvq.W, 1.f);
   }
   const int64_t skip = run.skip[it.r];
-  const int64_t* gids = run.table + it.r * run.table_stride;
-  auto state = [&](int64_t gid) {
-    return run.pages + (gid / f.N) * run.block_stride + it.h * run.head_stride + f.sink_bytes +
-           (gid % f.N) * f.state_bytes;
-  };
   // The next group's state (states are scattered over the cache) is fetched a quarter at a
   // time, between this group's phases: all at once, its lines (56 for vidkv) outnumber the
   // core's line fill buffers and the prefetches stall it (a decode step 12-20% slower)
   const int64_t lines = (f.state_bytes + 63) / 64;
   for (int64_t gi = it.g_lo; gi < it.g_hi; ++gi) {
-    const uint8_t* st = state(gids[gi]);
-    const uint8_t* next = gi + 1 < it.g_hi ? state(gids[gi + 1]) : nullptr;
+    const uint8_t* st = run.state(it, gi);
+    // the last group's fetches bring the first group of the thread's next item
+    const uint8_t* next = gi + 1 < it.g_hi                   ? run.state(it, gi + 1)
+                          : after && after->g_lo < after->g_hi ? run.state(*after, after->g_lo)
+                                                               : nullptr;
     auto fetch_quarter = [&](int q) {
       if (next)
         for (int64_t l = lines * q / 4; l < lines * (q + 1) / 4; ++l)
@@ -2422,11 +2428,13 @@ void packed_attention(const at::Tensor& query, const at::Tensor& q_start, const 
                    : kept_work(f, int(max_m));
     for (int64_t k = begin; k < end; ++k) {
       const Item& it = items[k];
+      const Item* after = k + 1 < end ? &items[k + 1] : nullptr;
       if (it.partial >= 0) {
         const size_t at_m = size_t(it.partial) * max_m;
-        run_item(run, it, wk, p_acc.data() + at_m * D, p_m.data() + at_m, p_l.data() + at_m);
+        run_item(run, it, after, wk, p_acc.data() + at_m * D, p_m.data() + at_m,
+                 p_l.data() + at_m);
       } else {
-        run_item(run, it, wk, wk.acc, wk.mrun, wk.lsum);
+        run_item(run, it, after, wk, wk.acc, wk.mrun, wk.lsum);
         write_rows(run, it.r, it.h, wk.acc, wk.mrun, wk.lsum, out_p, lse_p, int(D));
       }
     }
