@@ -2183,7 +2183,7 @@ void run_item(const Run& run, const Item& it, const Item* after, Work& wk, float
   const int64_t skip = run.skip[it.r];
   // The next group's state (states are scattered over the cache) is fetched a quarter at a
   // time, between this group's phases: all at once, its lines (56 for vidkv) outnumber the
-  // core's line fill buffers and the prefetches stall it (a decode step 12-20% slower)
+  // core's line fill buffers and the prefetches stall it (a decode call 7-24% slower)
   const int64_t lines = (f.state_bytes + 63) / 64;
   for (int64_t gi = it.g_lo; gi < it.g_hi; ++gi) {
     const uint8_t* st = run.state(it, gi);
