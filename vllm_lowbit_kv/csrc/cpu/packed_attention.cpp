@@ -2143,7 +2143,8 @@ void decode_tiles(const Format& f, const uint8_t* st, Work& wk) {
 }
 
 // Online softmax over the item's groups. Leaves acc (unnormalized), mrun (running max)
-// and lsum (sum of exp(score - mrun)) for the M = rows * G query vectors.
+// and lsum (sum of exp(score - mrun)) for the M = rows * G query vectors. after: the
+// thread's next item (its first group is fetched during this item's last), or nullptr.
 void run_item(const Run& run, const Item& it, const Item* after, Work& wk, float* acc,
               float* mrun, float* lsum) {
   const Format& f = *run.f;
