@@ -504,9 +504,10 @@ inline void residual_words(const float* const* r, int d, float spread_max, uint3
       _mm512_set1_ps(1e-30f));
 }
 
-// dist[c][i] = w_i.c' for every code c of the stage (code_pairs: [C, d / 2] words) and the
-// kTileRows rows' words wt, in vdpbf16ps: each code's word broadcast against the rows'
-// words, four codes at a time (one load of the rows' words serves them)
+// dist[c][i] = w_i.c' for every code c of the stage (code_pairs: [C, d / 2] words, C a
+// multiple of kLanes) and the kTileRows rows' words wt, in vdpbf16ps: each code's word
+// broadcast against the rows' words, four codes at a time (one load of the rows' words
+// serves them)
 inline void pair_distances(const uint32_t* wt, int half, const uint32_t* code_pairs, int C,
                            float* dist) {
   constexpr int R = kTileRows, U = 4;
@@ -514,8 +515,7 @@ inline void pair_distances(const uint32_t* wt, int half, const uint32_t* code_pa
     return reinterpret_cast<__m512bh>(_mm512_set1_epi32(
         static_cast<int>(code_pairs[static_cast<size_t>(c) * half + j])));
   };
-  int c0 = 0;
-  for (; c0 + U <= C; c0 += U) {
+  for (int c0 = 0; c0 < C; c0 += U) {
     __m512 acc[U];
     for (int u = 0; u < U; ++u) acc[u] = _mm512_setzero_ps();
     for (int j = 0; j < half; ++j) {
@@ -523,13 +523,6 @@ inline void pair_distances(const uint32_t* wt, int half, const uint32_t* code_pa
       for (int u = 0; u < U; ++u) acc[u] = _mm512_dpbf16_ps(acc[u], w, word(c0 + u, j));
     }
     for (int u = 0; u < U; ++u) _mm512_storeu_ps(dist + (c0 + u) * R, acc[u]);
-  }
-  for (; c0 < C; ++c0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int j = 0; j < half; ++j)
-      acc = _mm512_dpbf16_ps(
-          acc, reinterpret_cast<__m512bh>(_mm512_load_si512(wt + j * R)), word(c0, j));
-    _mm512_storeu_ps(dist + c0 * R, acc);
   }
 }
 
@@ -586,9 +579,9 @@ inline void tile_distances(const uint32_t* wt, int half, const uint32_t* code_pa
 // only if dist <= limit + max bound, so one compare a code finds the few codes some row
 // may take (hits), and only those get their own bound; a row with one candidate takes it
 // without its float32 distance, the others compare their candidates' float32 distances.
-// d a multiple of 16 up to kMaxPairGroup; dist: scratch of 16 C floats (64-byte aligned),
-// hits: of 2 C + 32 (each code's compare mask, then the hit codes and their rows'
-// candidate masks).
+// d a multiple of 16 up to kMaxPairGroup, C of kLanes (encode_states checks it); dist:
+// scratch of 16 C floats (64-byte aligned); hits: of 2 C + 64 (each code's compare mask
+// and 32 zeros, then the hit codes' rows' candidate masks and a last 32 masks' read).
 void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, bool tiles,
                         int32_t* out, float* dist, uint16_t* hits) {
   constexpr int R = kTileRows;
@@ -611,12 +604,9 @@ void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, bool ti
     _mm512_storeu_ps(dist + c * R, x);
     return x;
   };
-  const __m512 far = _mm512_set1_ps(std::numeric_limits<float>::infinity());
-  __m512 lo[4] = {far, far, far, far};
-  int c = 0;
-  for (; c + 4 <= C; c += 4)
+  __m512 lo[4] = {distance(0), distance(1), distance(2), distance(3)};
+  for (int c = 4; c < C; c += 4)
     for (int j = 0; j < 4; ++j) lo[j] = _mm512_min_ps(lo[j], distance(c + j));
-  for (; c < C; ++c) lo[0] = _mm512_min_ps(lo[0], distance(c));
   const __m512 widest =
       _mm512_fmadd_ps(we, _mm512_set1_ps(st.spread_max),
                       _mm512_fmadd_ps(rn, _mm512_set1_ps(st.twice_rounding_max), s));
@@ -625,7 +615,7 @@ void nearest_codes_bf16(const float* const* r, const RvqBooks& b, int k, bool ti
   // a candidate's dist is at most limit + its bound <= limit + widest; s more covers the
   // rounding of that sum (a few parts in 2^24 of it, far below s)
   const __m512 reach = _mm512_add_ps(_mm512_add_ps(limit, widest), s);
-  for (c = 0; c < C; ++c)
+  for (int c = 0; c < C; ++c)
     hits[c] = _mm512_cmp_ps_mask(_mm512_loadu_ps(dist + c * R), reach, _CMP_LE_OQ);
   std::fill(hits + C, hits + C + 32, uint16_t{0});  // the last 32 masks' read
   // the hit codes' own bounds: per row the count of candidates and the last one
