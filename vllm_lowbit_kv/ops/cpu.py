@@ -100,7 +100,9 @@ LANES = 16  # floats per vector in the widest build (AVX-512): head_dim must be 
 #: vidkv's parity perplexity by 0.2% (the kernel itself takes float32 too)
 DENSE_DTYPES = (torch.bfloat16,)
 
-_NO_ROTATION = torch.empty(0)
+#: an absent optional tensor argument of the kernels (made once: a call per layer and step
+#: costs about a microsecond each)
+_NONE = torch.empty(0, device="cpu")
 _build_lock = threading.Lock()
 _build_error: str | None = None
 _built = False
@@ -315,7 +317,7 @@ def packed_attention(query: torch.Tensor, q_start: torch.Tensor, pages: torch.Te
         query, _int64(q_start), fmt.flat_pages(pages), _int64(group_table),
         _int64(num_groups), _int64(skip_tokens), float(scale),
         desc.geometry, desc.key, desc.value, desc.fft_map, desc.codebooks, desc.key_columns,
-        _NO_ROTATION if rotation is None else _rotation_pair(rotation), out, lse)
+        _NONE if rotation is None else _rotation_pair(rotation), out, lse)
     return out, lse
 
 
@@ -408,12 +410,12 @@ def exact_decode_attention(query: torch.Tensor, rows: torch.Tensor, bias: torch.
     builds it)."""
     if not _built or query.device.type != "cpu" or query.shape[-1] % LANES:
         return False
-    none = torch.empty(0, device=query.device)  # not the default device, which may be meta
+    if not (bias.dim() == 2 and bias.dtype == torch.float32 and bias.is_contiguous()):
+        bias = bias.reshape(bias.shape[0], -1).float().contiguous()
     torch.ops.lowbit_kv.exact_decode_attention(
-        query, _int64(rows), bias.reshape(bias.shape[0], -1).float().contiguous(),
-        none if sink_kv is None else sink_kv, _int64(sink_blocks), int(sinks),
-        staged_k.data, none if staged_k.scale is None else staged_k.scale,
-        staged_v.data, none if staged_v.scale is None else staged_v.scale, _int64(tail_slots),
+        query, _int64(rows), bias, _NONE if sink_kv is None else sink_kv, _int64(sink_blocks),
+        int(sinks), staged_k.data, _NONE if staged_k.scale is None else staged_k.scale,
+        staged_v.data, _NONE if staged_v.scale is None else staged_v.scale, _int64(tail_slots),
         key, value, float(scale), out, lse)
     return True
 
@@ -440,7 +442,7 @@ def stage_rows(x: torch.Tensor, rows: torch.Tensor, slot: torch.Tensor, off: tor
     if not _built or x.device.type != "cpu" or data.device.type != "cpu":
         return False
     torch.ops.lowbit_kv.stage_rows(x, _int64(rows), _int64(slot), _int64(off), data,
-                                   torch.empty(0, device=x.device) if scale is None else scale)
+                                   _NONE if scale is None else scale)
     return True
 
 
@@ -457,7 +459,7 @@ def read_staged(data: torch.Tensor, scale: torch.Tensor | None, slots: torch.Ten
     flat = _int64(slots.reshape(-1, slots.shape[-1]))
     out = torch.empty(flat.shape[0], n, *data.shape[2:], dtype=torch.float32, device=data.device)
     torch.ops.lowbit_kv.read_staged(
-        data, torch.empty(0, device=data.device) if scale is None else scale, flat, out)
+        data, _NONE if scale is None else scale, flat, out)
     return out.view(*lead, n, *data.shape[2:])
 
 

@@ -196,7 +196,7 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
         # decode rows: the C++ kernel reads the keys where they live (no gathered copies,
         # a few dozen small tensor operations fewer per layer); what it computes is below
         if b.bias is not None and exact_decode_attention(
-                query, b.rows[:, 0], b.bias, layout.sink_kv(pages) if b.sinks else None,
+                query, b.first_rows, b.bias, layout.sink_kv(pages) if b.sinks else None,
                 b.sink_blocks, b.sinks, staging.k, staging.v, b.tail_slots, key, value, scale,
                 out, lse):
             continue
@@ -221,7 +221,7 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
         ks.append(key[b.rows].float())
         vs.append(value[b.rows].float())
         o, l = attend_with_lse(query[b.rows], torch.cat(ks, 1), torch.cat(vs, 1),
-                               b.bias.to(query.device), scale)
+                               b.bias[:, None, None].to(query.device), scale)
         out[b.rows] = o
         lse[b.rows] = l
     return out, lse

@@ -43,18 +43,19 @@ def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query:
                                 obs_window)
     if n:
         dense = reads_packed_dense(packed_attention, layout, query)
-        res, res_lse = exact_attention(rplan, layout, query[:n], key, value, pages, staging,
-                                       scale, dense)
-        num_groups = rplan.num_groups
-        if dense:  # prefill chunks read theirs in exact_attention
-            num_groups = num_groups * (rplan.q_start_t.diff() == 1)
-        if bool(num_groups.any()):
+        if query.shape[0] != n:
+            query, out = query[:n], out[:n]
+        res, res_lse = exact_attention(rplan, layout, query, key, value, pages, staging, scale,
+                                       dense)
+        # with dense, prefill chunks read theirs in exact_attention
+        num_groups, reads_groups = rplan.packed_groups(dense)
+        if reads_groups:
             p_out, p_lse = packed_part(packed_attention or packed_attention_reference, layout,
-                                       query[:n], rplan.q_start_t, pages, rplan.group_table,
+                                       query, rplan.q_start_t, pages, rplan.group_table,
                                        num_groups, rplan.skip_tokens, scale)
-            merge_attention_into(p_out, p_lse, res, res_lse, out[:n])
+            merge_attention_into(p_out, p_lse, res, res_lse, out)
         else:
-            out[:n].copy_(res)
+            out.copy_(res)
     stage_tokens(wplan, key, value, staging, query)
 
 

@@ -118,6 +118,7 @@ class PagedLayout(PageBits):
         self.state_bytes = self.format.state_bytes
         #: bytes of one block of one KV head
         self.head_bytes = self.format.head_bytes
+        self._sink_view: tuple | None = None  # (the pages' address and geometry, sink_kv)
 
     @property
     def page_bytes(self) -> int:
@@ -164,8 +165,14 @@ class PagedLayout(PageBits):
                 .permute(0, 2, 3, 1, 4))
 
     def sink_kv(self, pages: torch.Tensor) -> torch.Tensor:
-        """``[B, 2, s, H, D]`` view of the sink areas (K then V) in the sink dtype."""
-        return self._sinks(pages).view(self.sink_dtype)
+        """``[B, 2, s, H, D]`` view of the sink areas (K then V) in the sink dtype. The last
+        one made is kept: a layer reads the same cache tensor at every step, and making it
+        is four small tensor operations per layer and step (the kept view holds the memory,
+        so no other tensor takes its address meanwhile)."""
+        where = (pages.data_ptr(), pages.shape, pages.stride())
+        if self._sink_view is None or self._sink_view[0] != where:
+            self._sink_view = where, self._sinks(pages).view(self.sink_dtype)
+        return self._sink_view[1]
 
     def write_sinks(self, pages: torch.Tensor, blocks: torch.Tensor, pos: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor) -> None:

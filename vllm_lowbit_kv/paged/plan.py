@@ -4,7 +4,7 @@ staging slots of partial groups, leading and residual windows, and what every re
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,6 +67,19 @@ class ReadPlan:
     skip_tokens: torch.Tensor  # int64 [R]: sink positions read from the sink area instead
     q_start_t: torch.Tensor  # int64 [R+1]: q_start as a tensor
     exact: list["ExactBatch"]  # the exact parts, requests batched by query length
+    _packed: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def packed_groups(self, prefill_dense: bool) -> tuple[torch.Tensor, bool]:
+        """What the packed part reads: ``num_groups``, or with ``prefill_dense`` (prefill
+        chunks read their groups as dense rows, :func:`~.attention.reads_packed_dense`)
+        only the single-row requests' (0 for the others), and whether any request reads
+        a group. Computed at the first layer's call, then reused by the step's others."""
+        if prefill_dense not in self._packed:
+            groups = self.num_groups
+            if prefill_dense:
+                groups = groups * (self.q_start_t.diff() == 1)
+            self._packed[prefill_dense] = groups, bool(groups.any())
+        return self._packed[prefill_dense]
 
 
 @dataclass
@@ -77,11 +90,12 @@ class ExactBatch:
 
     requests: list[int]  # [B] the batch's requests (indices into the plan's requests)
     rows: torch.Tensor  # int64 [B, Q]: the fresh rows of each request
+    first_rows: torch.Tensor  # int64 [B]: rows[:, 0] (a decode batch's rows), contiguous
     sink_blocks: torch.Tensor  # int64 [B]: first block (sink area) of each request
     sinks: int  # sink positions read per request (the batch's largest skip_tokens)
     tail_slots: torch.Tensor  # int64 [B, S]: staging slots of the staged run, token order
     tail: int  # staged tokens read per request (the batch's largest)
-    #: decode batches (Q = 1): float32 [B, 1, 1, sinks + tail + 1], 0 = attend, -inf = not;
+    #: decode batches (Q = 1): float32 [B, sinks + tail + 1], 0 = attend, -inf = not;
     #: None for a prefill chunk (one request: its sinks and tail whole, its rows causal)
     bias: torch.Tensor | None
     #: a prefill chunk's first staged tokens read from the sink area instead (a leading
@@ -189,9 +203,10 @@ def plan_exact(q_start: list[int], ctx_len: list[int], skip: list[int], staged: 
             attend = torch.cat([torch.arange(S) < sinks.unsqueeze(1),
                                 (run < tails.unsqueeze(1)) & (run >= after.unsqueeze(1)),
                                 torch.ones(len(reqs), 1, dtype=torch.bool)], dim=-1)
-            bias = torch.zeros(attend.shape).masked_fill_(~attend, float("-inf"))[:, None, None]
+            bias = torch.zeros(attend.shape).masked_fill_(~attend, float("-inf"))
         out.append(ExactBatch(
-            reqs, rows, torch.tensor([max(first_block[r], 0) for r in reqs]), S, slots, P, bias,
+            reqs, rows, rows[:, 0].contiguous(),
+            torch.tensor([max(first_block[r], 0) for r in reqs]), S, slots, P, bias,
             int(after[0]) if Q > 1 else 0))
     return out
 
