@@ -209,12 +209,14 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
             ks.append(staging.k.read_run(b.tail_slots, b.tail)[:, b.staged_skip:])
             vs.append(staging.v.read_run(b.tail_slots, b.tail)[:, b.staged_skip:])
         if b.bias is None:  # a prefill chunk: its rows are one range
-            r, first = b.requests[0], int(b.rows[0, 0])
-            rows = slice(first, first + b.rows.shape[1])
+            r = b.requests[0]
+            rows = slice(rplan.q_start[r], rplan.q_start[r + 1])
             packed = None
-            groups, skip = int(rplan.num_groups[r]), int(rplan.skip_tokens[r])
-            if packed_dense and groups * layout.T > skip:
-                packed = PackedGroups(pages, layout, rplan.group_table[r, :groups], skip)
+            g0, g1 = rplan.page_start[r], rplan.page_start[r + 1]  # ints: no tensor reads
+            if packed_dense and g1 > g0:
+                skip = int(rplan.skip_tokens[r])
+                if (g1 - g0) * layout.T > skip:
+                    packed = PackedGroups(pages, layout, rplan.page_gids[g0:g1], skip)
             prefill_exact_attention(query[rows], key[rows], value[rows], ks, vs, scale,
                                     out[rows], lse[rows], packed)
             continue

@@ -42,10 +42,20 @@ class WritePlan:
     # the groups' last n of E T rows in order (a prefill chunk's groups; the first group's
     # E T - n earlier rows, if any, from its staging slot), else -1
     enc_run: int = -1
+    _sink_groups: list | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def empty(self) -> bool:
         return self.stage_tok.numel() == 0 and self.enc_gids.numel() == 0
+
+    @property
+    def sink_groups(self) -> list[tuple[int, int]]:
+        """(group, sink rows) of the completed groups that hold sink tokens (``enc_sink``
+        > 0), groups as indices into ``enc_gids``: read at the first layer's call, then
+        reused by the step's others."""
+        if self._sink_groups is None:
+            self._sink_groups = [(g, s) for g, s in enumerate(self.enc_sink.tolist()) if s > 0]
+        return self._sink_groups
 
 
 @dataclass

@@ -141,12 +141,14 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
     if relevance is not None and plan.enc_visual is not None:
         relevance = rank_protected(relevance, plan.enc_visual.to(relevance.device),
                                    layout.protect_first)
-    sinks, gids = plan.enc_sink, plan.enc_gids
+    sink_groups, gids = plan.sink_groups, plan.enc_gids
     if rows is not None:
         tk, tv = tk[rows], tv[rows]
         relevance = None if relevance is None else relevance[rows]
-        sinks, gids = sinks[rows.to(sinks.device)], gids[rows.to(gids.device)]
-    relevance = _mask_sinks(tk, tv, relevance, sinks)
+        gids = gids[rows.to(gids.device)]
+        sink_rows = dict(sink_groups)
+        sink_groups = [(i, sink_rows[g]) for i, g in enumerate(rows.tolist()) if g in sink_rows]
+    relevance = _mask_sinks(tk, tv, relevance, sink_groups)
     layout.write_states(pages, gids, layout.encode(tk, tv, relevance, cpp))
 
 
@@ -163,7 +165,7 @@ def _completed_groups(plan: WritePlan, T: int, x: torch.Tensor, staged: StagedTo
         fresh = x[plan.enc_run:plan.enc_run + E * T - lead]
         if lead == 0:
             groups = fresh.unflatten(0, (E, T))
-            return groups.clone() if bool((plan.enc_sink > 0).any()) else groups
+            return groups.clone() if plan.sink_groups else groups
         groups = torch.empty(E * T, H, D, dtype=torch.float32, device=x.device)
         groups[:lead] = staged.read_run(plan.enc_src_slot[:1, None], lead)[0]
         groups[lead:] = fresh
@@ -178,15 +180,14 @@ def _completed_groups(plan: WritePlan, T: int, x: torch.Tensor, staged: StagedTo
 
 
 def _mask_sinks(tk: torch.Tensor, tv: torch.Tensor, relevance: torch.Tensor | None,
-                sinks: torch.Tensor) -> torch.Tensor | None:
-    """Groups [G, T, H, D] whose first ``sinks[g]`` rows are sink tokens: those rows
-    masked (:func:`mask_sink_rows`, in place), and the relevance [G, T, H] returned with
-    them at :data:`SINK_RELEVANCE` (a copy; never protected)."""
-    with_sinks = torch.nonzero(sinks > 0).flatten().tolist()  # plans stay on the CPU
-    if with_sinks and relevance is not None:
+                sink_groups: list[tuple[int, int]]) -> torch.Tensor | None:
+    """Groups [G, T, H, D] of which group g's first s rows are sink tokens, for each (g, s)
+    of ``sink_groups``: those rows masked (:func:`mask_sink_rows`, in place), and the
+    relevance [G, T, H] returned with them at :data:`SINK_RELEVANCE` (a copy; never
+    protected)."""
+    if sink_groups and relevance is not None:
         relevance = relevance.clone()
-    for g in with_sinks:
-        s = int(sinks[g])
+    for g, s in sink_groups:
         mask_sink_rows(tk[g], s)
         mask_sink_rows(tv[g], s)
         if relevance is not None:
