@@ -809,9 +809,10 @@ def test_dense_attention_matches_float32(built, n, extra, heads, D, causal, dtyp
 
 
 def test_dense_attention_strides_empty_rows_and_poisoned_outputs(built):
-    """Strided views are read as they are; every output is written (NaN-poisoned before);
-    rows that see no key (a negative causal offset) get 0 and -inf; bad arguments are
-    errors; inputs the kernel does not take get None from the wrapper."""
+    """Strided views are read as they are, and out written as a strided view in float32 or
+    bf16; every output is written (NaN-poisoned before); rows that see no key (a negative
+    causal offset) get 0 and -inf; bad arguments are errors; inputs the kernel does not
+    take get None from the wrapper."""
     g = torch.Generator().manual_seed(3)
     n, S, Hq, H, D = 40, 40, 6, 3, 64
     q = torch.randn(Hq, n, D, generator=g).bfloat16().transpose(0, 1)  # strided rows
@@ -824,6 +825,15 @@ def test_dense_attention_strides_empty_rows_and_poisoned_outputs(built):
     assert torch.equal(out[:5], torch.zeros(5, Hq, D)) and bool((lse[:5] == float("-inf")).all())
     torch.testing.assert_close(lse[5:], want_lse[5:], **BF16_LSE_TOL)
     torch.testing.assert_close(out[5:], want_out[5:], **BF16_OUT_TOL)
+    # into the model's dtype through a strided view (a layer's output): the float32 rows
+    # rounded to nearest even, nothing written past the view
+    wide = torch.full((n, Hq, 2 * D), float("nan")).bfloat16()
+    lse_again = torch.full((n, Hq), float("nan"))
+    torch.ops.lowbit_kv.dense_attention(q, k, v, True, -5, 0.125, wide[..., :D], lse_again)
+    assert torch.equal(wide[..., :D], out.bfloat16()) and torch.equal(lse_again, lse)
+    assert bool(wide[..., D:].isnan().all())
+    with pytest.raises(RuntimeError, match="unit stride in the last dim"):
+        torch.ops.lowbit_kv.dense_attention(q, k, v, True, 0, 0.1, wide[..., ::2], lse)
     with pytest.raises(RuntimeError, match="all bfloat16 or all float32"):
         torch.ops.lowbit_kv.dense_attention(q.float(), k, v, True, 0, 0.1, out, lse)
     with pytest.raises(RuntimeError, match="multiple of the KV heads"):

@@ -379,7 +379,8 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     (causal: row i sees keys j <= i + S - n), by the C++ kernel
     (``csrc/cpu/dense_attention.cpp``: bf16 products with float32 sums where the CPU has
     AVX-512 BF16, else float32): out [n, Hq, D] and lse [n, Hq] float32, written into
-    ``out`` and ``lse`` where given (contiguous). None where it does not run: other dtypes
+    ``out`` (float32, bfloat16 or float16, unit stride in the last dim) and ``lse``
+    (contiguous) where given. None where it does not run: other dtypes
     (:data:`DENSE_DTYPES`) or devices, a head_dim it does not take, or the kernel library
     not loaded (this never builds it)."""
     if not dense_runs(query) or not query.dtype == key.dtype == value.dtype:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..codecs.base import require
 from ..ops import cpu, merge_attention
 from ..ops.cpu import dense_attention, exact_decode_attention
 from .layout import PagedLayout
@@ -144,7 +145,8 @@ def prefill_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """A prefill chunk's exact part: its rows q [Q, Hq, D] over the exact context ``ks``,
     ``vs`` (each [1, E_i, H, D] float32: sinks, staged run) and ``packed`` (its packed
     groups, decoded; only where :func:`reads_packed_dense`) whole and over their own keys
-    k, v [Q, H, D] causally -> ``out`` [Q, Hq, D], ``lse`` [Q, Hq] (float32, contiguous).
+    k, v [Q, H, D] causally -> ``out`` [Q, Hq, D] (float32 or the model's dtype, unit stride
+    in the last dim) and ``lse`` [Q, Hq] (float32, contiguous).
     With the dense kernel one causal call over [context, own keys] (row i sees the context
     and its own keys 0..i), straight into ``out`` and ``lse``; otherwise the two parts
     apart, merged."""
@@ -182,15 +184,21 @@ def prefill_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, pages: torch.Tensor, staging: Staging, scale: float,
-                    packed_dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    packed_dense: bool = False, into: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every fresh row over its request's exact keys (:class:`ExactBatch`): out
-    [n, Hq, D] float32 and lse [n, Hq], to merge with the packed part. A prefill chunk
+    [n, Hq, D] float32 and lse [n, Hq], to merge with the packed part; with ``into`` (the
+    layer's output [n, Hq, D], unit stride in the last dim) the rows are written there, in its
+    dtype: a step of prefill chunks only with nothing to merge. A prefill chunk
     (one request, several rows) sees its sinks and staged run whole and its fresh tokens
     causally (:func:`prefill_exact_attention`); with ``packed_dense``
     (:func:`reads_packed_dense`) its packed groups too, which the packed part then
     leaves out."""
     n, Hq, D = query.shape[0], query.shape[1], query.shape[2]
-    out = torch.empty(n, Hq, D, dtype=torch.float32, device=query.device)
+    require(into is None or all(b.bias is None for b in rplan.exact), "into",
+            "given for prefill chunks only (decode rows write float32)", "a decode batch")
+    out = into if into is not None else torch.empty(n, Hq, D, dtype=torch.float32,
+                                                    device=query.device)
     lse = torch.empty(n, Hq, dtype=torch.float32, device=query.device)
     for b in rplan.exact:
         # decode rows: the C++ kernel reads the keys where they live (no gathered copies,

@@ -45,16 +45,18 @@ def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query:
         dense = reads_packed_dense(packed_attention, layout, query)
         if query.shape[0] != n:
             query, out = query[:n], out[:n]
-        res, res_lse = exact_attention(rplan, layout, query, key, value, pages, staging, scale,
-                                       dense)
         # with dense, prefill chunks read theirs in exact_attention
         num_groups, reads_groups = rplan.packed_groups(dense)
+        # nothing to merge and no decode rows: the exact part writes out itself
+        direct = not reads_groups and rplan.prefill_only
+        res, res_lse = exact_attention(rplan, layout, query, key, value, pages, staging, scale,
+                                       dense, out if direct else None)
         if reads_groups:
             p_out, p_lse = packed_part(packed_attention or packed_attention_reference, layout,
                                        query, rplan.q_start_t, pages, rplan.group_table,
                                        num_groups, rplan.skip_tokens, scale)
             merge_attention_into(p_out, p_lse, res, res_lse, out)
-        else:
+        elif not direct:
             out.copy_(res)
     stage_tokens(wplan, key, value, staging, query)
 

@@ -91,6 +91,11 @@ class ReadPlan:
             self._packed[prefill_dense] = groups, bool(groups.any())
         return self._packed[prefill_dense]
 
+    @property
+    def prefill_only(self) -> bool:
+        """Whether every request of the step is a prefill chunk (no decode batch)."""
+        return all(b.bias is None for b in self.exact)
+
 
 @dataclass
 class ExactBatch:

@@ -4,7 +4,8 @@
 //
 // out[i, q] = sum_j softmax_j(scale * q_i . k_j) v_j over the keys j that row i sees
 // (causal: j <= i + causal_offset; else all S), lse[i, q] the log-sum-exp of the scaled
-// scores; query head q reads KV head q / G (G = Hq / H). float32 inputs: float32
+// scores; query head q reads KV head q / G (G = Hq / H); out in float32, or in the model's
+// dtype where nothing is merged with it (a prefill step's rows). float32 inputs: float32
 // arithmetic throughout (float32 attention up to summation order). bf16 inputs on a CPU
 // with AVX-512 BF16: bf16 pair tiles (micro_gemm.h: exact bf16 products, float32 sums and
 // softmax, the probabilities rounded to bf16 for the value sum, as vLLM's AMX and GPU flash
@@ -30,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "dtypes.h"
 #include "micro_gemm.h"
 #include "vectors.h"
 
@@ -51,7 +53,10 @@ struct Args {
   int64_t n, S, Hq, H, D, offset;
   bool causal;
   float scale;
-  float *out, *lse;
+  void* out;                 // [n, Hq, D] of out_type, strides os0, os1 (elements)
+  at::ScalarType out_type;   // float32, or the model's bf16 / fp16 (nothing left to merge)
+  int64_t os0, os1;
+  float* lse;
 };
 
 #if defined(__AVX512BF16__)
@@ -158,11 +163,13 @@ void run_item(const Args<T>& a, const PairBlocks* pairs, ItemWork<T>& w, int64_t
 #endif
     if (!pairs) products.values(p, KB, vt, nt, o);
   }
+  const int64_t out_bytes = at::elementSize(a.out_type);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t i = i0 + m / G, hq = h * G + m % G;
-    float* dst = a.out + (i * a.Hq + hq) * D;
     const float inv = lsum[m] > 0.f ? 1.f / lsum[m] : 0.f;
-    for (int64_t c = 0; c < D; ++c) dst[c] = o[m * D + c] * inv;
+    for (int64_t c = 0; c < D; ++c) o[m * D + c] *= inv;
+    narrow(o + m * D, D, a.out_type,
+           static_cast<char*>(a.out) + (i * a.os0 + hq * a.os1) * out_bytes);
     a.lse[i * a.Hq + hq] = lsum[m] > 0.f ? mrun[m] + std::log(lsum[m]) : kNegInf;
   }
 }
@@ -199,7 +206,8 @@ Args<T> args(const at::Tensor& query, const at::Tensor& key, const at::Tensor& v
                  query.stride(0), query.stride(1), key.stride(0), key.stride(1),
                  value.stride(0), value.stride(1), query.size(0), key.size(0), query.size(1),
                  key.size(1), query.size(2), causal_offset, causal, float(scale),
-                 out.data_ptr<float>(), lse.data_ptr<float>()};
+                 out.data_ptr(), out.scalar_type(), out.stride(0), out.stride(1),
+                 lse.data_ptr<float>()};
 }
 
 }  // namespace
@@ -218,9 +226,10 @@ void dense_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   TORCH_CHECK(key.size(2) == D && D % L == 0 && D > 0,
               "head_dim: a multiple of ", L, ", equal in q, k, v");
   TORCH_CHECK(H > 0 && Hq % H == 0, "query heads: a multiple of the KV heads");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() &&
-                  out.sizes() == query.sizes(),
-              "out: float32 contiguous [n, Hq, D]");
+  const auto out_type = out.scalar_type();
+  TORCH_CHECK((out_type == at::kFloat || out_type == at::kBFloat16 || out_type == at::kHalf) &&
+                  out.stride(2) == 1 && out.sizes() == query.sizes(),
+              "out: float32, bfloat16 or float16 [n, Hq, D], unit stride in the last dim");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 &&
                   lse.size(0) == n && lse.size(1) == Hq,
               "lse: float32 contiguous [n, Hq]");

@@ -1,6 +1,6 @@
 // Rows of the model's dtypes (float32, bfloat16, float16) and of int8 codes to float32 and
 // back, and tensors addressed by byte strides, for the kernels that read or write tensors
-// of any of them (exact_decode.cpp, staging.cpp).
+// of any of them (exact_decode.cpp, staging.cpp, dense_attention.cpp's output).
 #pragma once
 
 #include <ATen/core/Tensor.h>
