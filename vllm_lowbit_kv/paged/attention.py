@@ -195,7 +195,7 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
     (:func:`reads_packed_dense`) its packed groups too, which the packed part then
     leaves out."""
     n, Hq, D = query.shape[0], query.shape[1], query.shape[2]
-    require(into is None or all(b.bias is None for b in rplan.exact), "into",
+    require(into is None or rplan.prefill_only, "into",
             "given for prefill chunks only (decode rows write float32)", "a decode batch")
     out = into if into is not None else torch.empty(n, Hq, D, dtype=torch.float32,
                                                     device=query.device)
