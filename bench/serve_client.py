@@ -1,4 +1,4 @@
-"""vLLM's own benchmark client against each KV dtype, bf16 first, in the same run.
+"""vLLM's own benchmark client against each KV dtype, the model's own first, in the same run.
 
     python -m bench.serve_client                     # bfloat16 and vidkv
     python -m bench.serve_client --kv-cache-dtype bfloat16,vidkv,kivi2 --prompts 8 \\
@@ -10,17 +10,25 @@ through :func:`bench.server.measurement_server`: ``--enforce-eager``, prefix cac
 off, ``--max-num-seqs`` = ``--prompts``), then ``vllm bench serve --dataset-name random``
 (this package's ``vllm`` console script, vLLM's own client) with a fixed seed, so
 every server gets the same prompts, all sent at once. Per dtype: vLLM's result
-(output tokens/s, TTFT, TPOT, duration) and each as a ratio to bfloat16's, and the
+(output tokens/s, TTFT, TPOT, duration) and each as a ratio to the reference's
+(``x_ref``: bfloat16, or ``auto`` with ``--dtype float32``, below), and the
 tokens its KV cache holds in ``--kv-space-gib`` (``kv_capacity_tokens``, vLLM's figure):
 prompts that do not fit at once wait for a running one to finish, so with long prompts
 in a small budget the run measures what the capacity buys, with a large one the
 kernels. The JSON records the command, the machine and the client command; a PNG plots
 the ratios.
 
-``--rounds N`` measures every dtype N times, in turn (bf16, then the others, then bf16
-again, ...): a 2-core machine's speed drifts by 10-20% between minutes, so one run of each
-says little; each row records its ``round`` and its ratios are to bfloat16's row of the
-same round, and ``summary`` gives per dtype the median ratio over the rounds with its
+``--dtype float32`` serves the model in float32 (vLLM's ``--dtype``, every server).
+On CPUs without AVX-512 BF16 torch has no fast bf16 matrix multiply, so there a
+bfloat16 model's linear layers take most of every run, whatever the KV dtype; float32
+ones run at the CPU's float rate. The reference is then ``auto`` (float32 KV): vLLM's CPU
+attention answers garbage for a float32 model over a 16-bit cache, and the plugin
+refuses that combination at start-up.
+
+``--rounds N`` measures every dtype N times, in turn (the reference, then the others,
+then the reference again, ...): a 2-core machine's speed drifts by 10-20% between minutes, so one run of each
+says little; each row records its ``round`` and its ratios are to the reference's row of
+the same round, and ``summary`` gives per dtype the median ratio over the rounds with its
 smallest and largest.
 
 Two launcher settings can be compared in the same run, each dtype once per value:
@@ -33,7 +41,7 @@ Two launcher settings can be compared in the same run, each dtype once per value
   (``VLLM_CPU_NUM_OF_RESERVED_CPU=N``; 1 is vLLM's own default for one worker on x86);
   each row records the worker's CPUs from vLLM's log (``worker_cpus``).
 
-A row's ratios are to bfloat16's with the same settings, and ``x_<setting>_<value>``
+A row's ratios are to the reference's with the same settings, and ``x_<setting>_<value>``
 (``x_preload_off``, ``x_reserved_cpus_1``) compares a row with the launcher's own value
 to the same dtype's row with the other value, of the same round. The defaults, ``on``
 and ``launcher``, are the launcher's own.
@@ -56,7 +64,9 @@ from bench import RESULTS, machine, portable
 from bench.plotting import pyplot, save
 from bench.server import measurement_server
 
-REFERENCE = "bfloat16"
+#: vLLM's --dtype (None: the model's own, bfloat16 here) -> the reference KV dtype, measured
+#: first: the model's dtype (a float32 model over a 16-bit cache is refused, see above)
+REFERENCE = {None: "bfloat16", "bfloat16": "bfloat16", "float32": "auto"}
 #: vLLM's result fields kept per dtype, and whether higher is better
 METRICS = {"output_throughput": True, "mean_ttft_ms": False, "median_ttft_ms": False,
            "mean_tpot_ms": False, "median_tpot_ms": False, "duration": False}
@@ -101,6 +111,7 @@ def server_env(setting: dict) -> dict[str, str | None]:
 def measure(model: str, dtype: str, args, setting: dict) -> dict:
     server = measurement_server(model, dtype, chunk=args.chunk, max_model_len=args.max_model_len,
                                 max_num_seqs=args.prompts, kv_space_gib=args.kv_space_gib,
+                                extra_args=["--dtype", args.dtype] if args.dtype else [],
                                 env=server_env(setting))
     with server.start() as s, tempfile.TemporaryDirectory() as d:
         run = subprocess.run(client_command(s.port, model, s.model_name, args, d),
@@ -125,13 +136,13 @@ def _same(r: dict, row: dict, keys) -> bool:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """``x_bf16``: to the first row of the same round with the same settings (bfloat16's);
+    """``x_ref``: to the first row of the same round with the same settings (the reference's);
     ``x_<setting>_<value>`` (``x_preload_off``, ``x_reserved_cpus_1``): a row with the
     launcher's value of that setting to the same dtype's row with the other value, the
     same round and the same other settings."""
     for row in rows:
         ref = next(r for r in rows if _same(r, row, ["round", *SETTINGS]))
-        row["x_bf16"] = {m: round(row[m] / ref[m], 4) for m in METRICS if ref[m]}
+        row["x_ref"] = {m: round(row[m] / ref[m], 4) for m in METRICS if ref[m]}
         for name, (launcher, _) in SETTINGS.items():
             if row.get(name, launcher) != launcher:
                 continue
@@ -143,15 +154,15 @@ def add_ratios(rows: list[dict]) -> None:
 
 def summarize(rows: list[dict]) -> list[dict]:
     """Per dtype and settings, in the rows' order: its rounds and, per metric, the median of
-    its ratios to bfloat16's (``x_bf16``) with the smallest and largest."""
+    its ratios to the reference's (``x_ref``) with the smallest and largest."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["dtype"], *(row.get(k) for k in SETTINGS)), []).append(row)
     return [dict(dtype=key[0], **{k: v for k, v in zip(SETTINGS, key[1:]) if v is not None},
                  rounds=len(mine), **{
-        k: {m: round(f([r["x_bf16"][m] for r in mine]), 4) for m in mine[0]["x_bf16"]}
-        for k, f in (("x_bf16_median", statistics.median), ("x_bf16_min", min),
-                     ("x_bf16_max", max))}) for key, mine in groups.items()]
+        k: {m: round(f([r["x_ref"][m] for r in mine]), 4) for m in mine[0]["x_ref"]}
+        for k, f in (("x_ref_median", statistics.median), ("x_ref_min", min),
+                     ("x_ref_max", max))}) for key, mine in groups.items()]
 
 
 def label(row: dict, rows: list[dict]) -> str:
@@ -166,19 +177,20 @@ def label(row: dict, rows: list[dict]) -> str:
 
 
 def plot(summary: list[dict], path: Path, title: str) -> None:
-    """Per dtype the median ratio to bf16's, the bar's whisker spanning the rounds."""
+    """Per dtype the median ratio to the reference's, the bar's whisker spanning the rounds."""
     plt = pyplot()
     shown = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
     fig, axes = plt.subplots(1, len(shown), figsize=(4 * len(shown), 3.4))
     for ax, m in zip(axes, shown):
-        mid = [s["x_bf16_median"][m] for s in summary]
-        spread = [[x - s["x_bf16_min"][m] for x, s in zip(mid, summary)],
-                  [s["x_bf16_max"][m] - x for x, s in zip(mid, summary)]]
+        mid = [s["x_ref_median"][m] for s in summary]
+        spread = [[x - s["x_ref_min"][m] for x, s in zip(mid, summary)],
+                  [s["x_ref_max"][m] - x for x, s in zip(mid, summary)]]
         ax.bar([label(s, summary) for s in summary], mid, yerr=spread, capsize=4,
                color="tab:blue")
         ax.tick_params(axis="x", labelsize=6, rotation=20)
         ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_title(f"{m} / bf16's ({'higher' if METRICS[m] else 'lower'} is better)", fontsize=8)
+        ax.set_title(f"{m} / {summary[0]['dtype']}'s ({'higher' if METRICS[m] else 'lower'} "
+                     "is better)", fontsize=8)
     fig.suptitle(title, fontsize=9)
     save(fig, path)
 
@@ -186,7 +198,10 @@ def plot(summary: list[dict], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m bench.serve_client", description=__doc__.split("\n\n")[0])
-    p.add_argument("--kv-cache-dtype", default="bfloat16,vidkv", help="bfloat16 is always first")
+    p.add_argument("--kv-cache-dtype", default="vidkv",
+                   help="measured after the reference (bfloat16; auto with --dtype float32)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                   help="vLLM's --dtype for every server (default: the model's own)")
     p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
     p.add_argument("--prompts", type=int, default=8, help="requests, all sent at once")
     p.add_argument("--input-tokens", type=int, default=1024)
@@ -208,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.model is None:
         from vllm_lowbit_kv.model import prepare_model
         args.model = str(prepare_model())
-    dtypes = list(dict.fromkeys([REFERENCE] + args.kv_cache_dtype.split(",")))
+    dtypes = list(dict.fromkeys([REFERENCE[args.dtype]] + args.kv_cache_dtype.split(",")))
     try:
         values = {name: setting_values(name, getattr(args, name)) for name in SETTINGS}
     except ValueError as e:
@@ -233,23 +248,25 @@ def main(argv: list[str] | None = None) -> dict:
         client_command=portable.command(
             client_command(0, args.model, "SmolLM2-135M-Instruct", args, "RESULT_DIR"),
             [args.model]).replace("--port 0", "--port PORT"),
-        model=portable.model_name(args.model), machine=machine.describe(), rows=rows,
+        model=portable.model_name(args.model), model_dtype=args.dtype or "the model's own",
+        reference=dtypes[0], machine=machine.describe(), rows=rows,
         summary=summary, elapsed_s=round(time.time() - t0, 1))
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     rounds = f", median of {args.rounds} rounds" if args.rounds > 1 else ""
+    weights = f", {args.dtype} weights" if args.dtype else ""
     plot(summary, Path(args.png), f"vllm bench serve: {args.prompts} random prompts of "
                                   f"{args.input_tokens} tokens, {args.output_tokens} output "
                                   f"tokens, all at once, {args.kv_space_gib} GiB of KV"
-                                  f"{rounds} ({result['machine']['cpu']})")
+                                  f"{rounds}{weights} ({result['machine']['cpu']})")
     for r in rows:
         print(f"round {r['round']}, {label(r, rows):>22}: output tok/s "
-              f"x{r['x_bf16']['output_throughput']:.2f}, median TTFT "
-              f"x{r['x_bf16']['median_ttft_ms']:.2f}, median TPOT x{r['x_bf16']['median_tpot_ms']:.2f}"
+              f"x{r['x_ref']['output_throughput']:.2f}, median TTFT "
+              f"x{r['x_ref']['median_ttft_ms']:.2f}, median TPOT x{r['x_ref']['median_tpot_ms']:.2f}"
               + "".join(f", {m} x{r[k][m]:.2f} of {k[2:]}'s" for k in r if k.startswith("x_")
-                        and k != "x_bf16" for m in ("output_throughput", "median_tpot_ms")))
+                        and k != "x_ref" for m in ("output_throughput", "median_tpot_ms")))
     for s in summary:
-        lo, mid, hi = (s[k]["output_throughput"] for k in ("x_bf16_min", "x_bf16_median", "x_bf16_max"))
-        print(f"{label(s, summary):>22}: output tok/s x{mid:.2f} of bf16's (median of {s['rounds']}"
+        lo, mid, hi = (s[k]["output_throughput"] for k in ("x_ref_min", "x_ref_median", "x_ref_max"))
+        print(f"{label(s, summary):>22}: output tok/s x{mid:.2f} of {dtypes[0]}'s (median of {s['rounds']}"
               f" rounds; {lo:.2f}-{hi:.2f})")
     return result
 

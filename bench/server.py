@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from vllm_lowbit_kv.vllm import LOGGED_ONCE_ENVS
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVING = (sys.executable, "-m", "serving")
 STOCK_VLLM = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
@@ -138,7 +140,8 @@ class Server:
         # default (300 s) then kills the engine ("RPC call to execute_model timed out")
         env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        env.pop("LOWBIT_KV_CONFIG_LOGGED", None)  # the backend logs its config once per server
+        for logged in LOGGED_ONCE_ENVS:  # the backend logs its config (and notes) once per server
+            env.pop(logged, None)
         for name, value in self.env_overrides.items():
             if value is None:
                 env.pop(name, None)

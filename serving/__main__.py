@@ -501,7 +501,10 @@ def main(argv: list[str] | None = None) -> None:
     line = defaults_line(env)
     if line:
         print(line, file=sys.stderr, flush=True)
-    os.environ.pop("LOWBIT_KV_CONFIG_LOGGED", None)  # a fresh server logs its config once
+    from vllm_lowbit_kv.vllm import LOGGED_ONCE_ENVS
+
+    for logged in LOGGED_ONCE_ENVS:  # a fresh server logs its config (and notes) once
+        os.environ.pop(logged, None)
     from vllm_lowbit_kv.vllm.plugin import register
 
     register()

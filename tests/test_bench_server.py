@@ -173,8 +173,10 @@ def test_measurement_server_is_chunked_prefill_without_prefix_cache():
 def test_kv_memory_env(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.setenv("LOWBIT_KV_CONFIG_LOGGED", "1")
+    monkeypatch.setenv("LOWBIT_KV_BF16_NOTED", "1")
     env = measurement_server("/m", "fp8", chunk=8, max_model_len=64).env()
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "LOWBIT_KV_CONFIG_LOGGED" not in env
+    assert "LOWBIT_KV_BF16_NOTED" not in env  # each server notes a slow bf16 CPU once
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
     assert measurement_server("/m", "fp8", chunk=8, max_model_len=64).env()["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert measurement_server("/m", "fp8", chunk=8, max_model_len=64,

@@ -370,6 +370,21 @@ def test_plain_launcher_worker_cpus(servers):
         assert len(json.loads(bound[0])) == len(cpus) - 1 and lines == [], (bound, lines)
 
 
+@pytest.mark.slow
+def test_plain_launcher_names_float32_without_bf16_hardware(servers):
+    """The embedded model is bfloat16: the start-up line naming --dtype float32 appears
+    exactly where this x86 CPU has no AVX-512 BF16, once per server."""
+    import platform
+
+    import torch
+
+    log = servers["plain"].log.read_text()
+    lines = re.findall(r"lowbit-kv: this CPU has no AVX-512 BF16.*$", log, re.M)
+    slow = platform.machine().lower() in ("x86_64", "amd64") and \
+        not torch.cpu._is_avx512_bf16_supported()
+    assert len(lines) == (1 if slow else 0), lines
+
+
 def _mapped_libs(pid: int) -> list[set[str]]:
     """For the server process and each of its children (vLLM's engine core and worker):
     the preloadable libraries mapped in it."""

@@ -177,6 +177,36 @@ def test_float32_model_over_a_16bit_cache_is_refused_on_the_cpu(model_dir):
     vllm_config(model_dir, "auto", model_dtype="float32")
 
 
+def test_bf16_model_without_bf16_hardware_is_noted_once(model_dir, monkeypatch):
+    """A bfloat16 model on an x86 CPU without AVX-512 BF16 (torch's reference bf16 matrix
+    multiplies): one line names --dtype float32, once per server (the engine core inherits
+    the marker), whatever the KV dtype; none for a float32 model or with the hardware."""
+    import torch
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    from vllm_lowbit_kv.vllm import BF16_NOTED_ENV, checks
+
+    if not current_platform.is_cpu() or current_platform.get_cpu_architecture() != CpuArchEnum.X86:
+        pytest.skip("the note is for x86 CPUs")
+    notes = []
+    monkeypatch.setattr(checks.logger, "info", lambda msg, *a: notes.append(msg % a))
+    monkeypatch.delenv(BF16_NOTED_ENV, raising=False)
+
+    def noted(hardware: bool, cache: str, model_dtype: str = "auto") -> list[str]:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: hardware)
+        notes.clear()
+        vllm_config(model_dir, cache, model_dtype=model_dtype)
+        return [n for n in notes if "AVX-512 BF16" in n]
+
+    assert noted(True, "bfloat16") == []
+    assert noted(False, "auto", model_dtype="float32") == []
+    first = noted(False, "bfloat16")
+    assert len(first) == 1 and "--dtype float32" in first[0] and "--kv-cache-dtype auto" in first[0]
+    assert noted(False, "vidkv") == []  # the same server's second check (the engine core)
+    monkeypatch.delenv(BF16_NOTED_ENV)
+    assert noted(False, "vidkv") == first  # a new server
+
+
 def test_forced_attention_impl_is_checked_at_startup(model_dir, monkeypatch):
     """attention_impl (or LOWBIT_KV_ATTENTION_IMPL) naming an implementation that cannot run
     the scheme on this device stops the server with the reason; auto never does."""

@@ -22,6 +22,13 @@ from ..schemes import SCHEMES
 #: our member of vLLM's ``AttentionBackendEnum``
 BACKEND_NAME = "LOWBIT_KV"
 BACKEND_PATH = f"{__name__}.backend.LowBitKVBackend"
+#: set in the environment once a server has logged its effective configuration, and its
+#: note on bfloat16 models where the CPU has no bf16 matrix multiply (.checks): the engine
+#: core vLLM spawns later inherits them and logs nothing again; whoever starts a new
+#: server clears them
+CONFIG_LOGGED_ENV = "LOWBIT_KV_CONFIG_LOGGED"
+BF16_NOTED_ENV = "LOWBIT_KV_BF16_NOTED"
+LOGGED_ONCE_ENVS = (CONFIG_LOGGED_ENV, BF16_NOTED_ENV)
 
 
 def scheme_names() -> list[str]:

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm.platforms.interface import PlatformEnum
+from vllm.platforms.interface import CpuArchEnum, PlatformEnum
 
 from ..codecs.base import ModelIdentity
 from ..config import ADDITIONAL_CONFIG_KEY, LowBitKVConfig, LowBitKVConfigError
 from .stats import scheme_config
 from ..ops import cpu, requested_implementation, unsupported_reason
 from ..schemes import KVScheme
-from . import is_lowbit_dtype, scheme_names
+from . import BF16_NOTED_ENV, CONFIG_LOGGED_ENV, is_lowbit_dtype, scheme_names
 from .eviction import SCHEDULER_CLS, eviction_refusals
 from .resolve import device_type, page_layout, resolve, retrieval_layers
 
@@ -37,9 +37,6 @@ logger = logging.getLogger("vllm.lowbit_kv")
 
 #: the vLLM platforms our backend serves on
 SERVING_PLATFORMS = (PlatformEnum.CPU, PlatformEnum.CUDA)
-#: set once the effective configuration is logged; the engine core vLLM spawns later
-#: inherits it through the environment and does not log again
-LOGGED_ENV = "LOWBIT_KV_CONFIG_LOGGED"
 
 
 #: vision-language architectures served with packed KV, each with an end-to-end test
@@ -60,6 +57,7 @@ def check_vllm_config(vllm_config: "VllmConfig", platform: "type[Platform]") -> 
     layers get the model dtype and vLLM's own attention), name the evicting scheduler
     when eviction is configured; log the effective configuration once per server. For
     vLLM's own dtypes a ``lowbit_kv`` entry is only warned about (eviction is refused)."""
+    _note_slow_bf16(vllm_config, platform)
     cache_config = vllm_config.cache_config
     name = cache_config.cache_dtype
     if not is_lowbit_dtype(name):
@@ -173,6 +171,24 @@ def _check_float_cache(vllm_config: "VllmConfig", platform: "type[Platform]") ->
             "Refusing to start rather than serve wrong outputs.")
 
 
+def _note_slow_bf16(vllm_config: "VllmConfig", platform: "type[Platform]") -> None:
+    """A bfloat16 model on an x86 CPU without AVX-512 BF16: torch multiplies bf16 matrices
+    there through its reference kernels, so the model's linear layers take most of every
+    request whatever the KV dtype (README, "AVX2 CPUs"). One line per server says so; the
+    dtype stays the user's choice."""
+    model_config = vllm_config.model_config
+    if (platform._enum != PlatformEnum.CPU or model_config is None
+            or model_config.dtype != torch.bfloat16
+            or platform.get_cpu_architecture() != CpuArchEnum.X86
+            or torch.cpu._is_avx512_bf16_supported() or os.environ.get(BF16_NOTED_ENV)):
+        return
+    os.environ[BF16_NOTED_ENV] = "1"
+    logger.info("lowbit-kv: this CPU has no AVX-512 BF16, where torch multiplies bfloat16 "
+                "matrices through slow reference kernels: --dtype float32 runs this model's "
+                "linear layers several times faster (its uncompressed KV baseline is then "
+                "--kv-cache-dtype auto)")
+
+
 def _attention_impl_reasons(vllm_config: "VllmConfig", scheme: KVScheme, cfg: LowBitKVConfig,
                             head_dim: int) -> list[str]:
     """Why a packed-attention implementation named by the config (or the environment)
@@ -216,9 +232,9 @@ def _log_once(vllm_config: "VllmConfig", scheme: KVScheme, cfg: LowBitKVConfig) 
     cache_config, model_config = vllm_config.cache_config, vllm_config.model_config
     name = cache_config.cache_dtype
     marker = hashlib.sha1(repr((name, cfg, cache_config.block_size)).encode()).hexdigest()[:16]
-    if os.environ.get(LOGGED_ENV) == marker:
+    if os.environ.get(CONFIG_LOGGED_ENV) == marker:
         return
-    os.environ[LOGGED_ENV] = marker
+    os.environ[CONFIG_LOGGED_ENV] = marker
     head_dim = model_config.get_head_size()
     kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
     logger.info(cfg.summary(
