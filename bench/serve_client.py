@@ -26,10 +26,10 @@ attention answers garbage for a float32 model over a 16-bit cache, and the plugi
 refuses that combination at start-up.
 
 ``--rounds N`` measures every dtype N times, in turn (the reference, then the others,
-then the reference again, ...): a 2-core machine's speed drifts by 10-20% between minutes, so one run of each
-says little; each row records its ``round`` and its ratios are to the reference's row of
-the same round, and ``summary`` gives per dtype the median ratio over the rounds with its
-smallest and largest.
+then the reference again, ...): a 2-core machine's speed drifts by 10-20% between
+minutes, so one run of each says little; each row records its ``round`` and its ratios
+are to the reference's row of the same round, and ``summary`` gives per dtype the median
+ratio over the rounds with its smallest and largest.
 
 Two launcher settings can be compared in the same run, each dtype once per value:
 

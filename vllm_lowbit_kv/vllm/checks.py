@@ -56,7 +56,9 @@ def check_vllm_config(vllm_config: "VllmConfig", platform: "type[Platform]") -> 
     given), translate ``skip_layers`` into vLLM's ``kv_cache_dtype_skip_layers`` (those
     layers get the model dtype and vLLM's own attention), name the evicting scheduler
     when eviction is configured; log the effective configuration once per server. For
-    vLLM's own dtypes a ``lowbit_kv`` entry is only warned about (eviction is refused)."""
+    vLLM's own dtypes a ``lowbit_kv`` entry is only warned about (eviction is refused).
+    For every dtype, a bfloat16 model on a CPU without bf16 matrix multiplies is noted
+    once per server (:func:`_note_slow_bf16`)."""
     _note_slow_bf16(vllm_config, platform)
     cache_config = vllm_config.cache_config
     name = cache_config.cache_dtype
