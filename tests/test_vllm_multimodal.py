@@ -9,7 +9,8 @@ request's image tokens are (the runner hook, ``vllm.backend.visual_positions``);
 protects visual tokens first, and ``/v1/kv_cache/stats`` counts them.
 ``vlm_visual_server`` runs the visual-only mode (``vidkv_visual``, its own defaults:
 text tokens protected first, visual tokens low-bit) for the image requests and the
-counts.
+counts, on float32 weights (tests/_servers.py: FLOAT32_WEIGHTS; nothing compares it
+with a bf16 server).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def vlm_server(vlm, tmp_path_factory):
 @pytest.fixture(scope="module")
 def vlm_visual_server(vlm, tmp_path_factory):
     s = start_server(tmp_path_factory.mktemp("vlm_visual"), "vlm_visual",
-                     ["--kv-cache-dtype", "vidkv_visual", *COMMON], model=vlm)
+                     ["--kv-cache-dtype", "vidkv_visual", *FLOAT32_WEIGHTS, *COMMON], model=vlm)
     try:
         yield s.wait_ready(timeout=300)
     finally:
