@@ -43,7 +43,7 @@ class PagedModel:
     """``model`` (Llama-style, RoPE, full attention) with its KV in packed pages on ``device``."""
 
     def __init__(self, model, scheme: KVScheme, device: str, max_tokens: int,
-                 attention_impl: str | None = None):
+                 attention_impl: str | None = None, reference_arithmetic: bool = False):
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -61,6 +61,7 @@ class PagedModel:
                                       retrieval_heads=retrieval.get(layer, ()))
                         for layer in range(cfg.num_hidden_layers)]
         self.obs_window = OBS_WINDOW if scheme.uses_relevance else None
+        self.reference_arithmetic = reference_arithmetic
         slots = scheme.staged_groups
         self.pages = [torch.zeros(lay.page_shape(len(self.block_table)), dtype=torch.uint8,
                                   device=device) for lay in self.layouts]
@@ -93,10 +94,11 @@ class PagedModel:
         if isinstance(self.layouts[i], HeadSplitLayout):
             forward_split_layer(*self._plans, self.layouts[i], q, k, v, self.pages[i],
                                 self.staging[i], scaling, out, self.obs_window,
-                                self.part_attention[i])
+                                self.part_attention[i], self.reference_arithmetic)
         else:
             forward_layer(*self._plans, self.layouts[i], q, k, v, self.pages[i], self.staging[i],
-                          scaling, out, self.obs_window, self.part_attention[i][0])
+                          scaling, out, self.obs_window, self.part_attention[i][0],
+                          self.reference_arithmetic)
         return out[None], None
 
     @torch.inference_mode()
@@ -142,7 +144,9 @@ def reference_nll(model, scheme: KVScheme | None, ids: torch.Tensor, chunk: int)
 def run(model_dir: str, scheme_name: str, device: str, tokens: int, chunk: int,
         impls: list[str], dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """One row per implementation in ``impls`` (model weights and activations in ``dtype``:
-    float32 makes the engines' arithmetic equal, so only the KV path can differ)."""
+    float32 makes the engines' arithmetic equal, so only the KV path can differ; there the
+    paged path also encodes and attends to its exact part in the transformers cache's own
+    arithmetic, ``reference_arithmetic``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_lowbit_kv.corpus import default_text
@@ -152,18 +156,19 @@ def run(model_dir: str, scheme_name: str, device: str, tokens: int, chunk: int,
     scheme = get_scheme(scheme_name)
     bf16 = reference_nll(load(), None, ids, chunk)
     hf = reference_nll(load(), scheme, ids, chunk)
-    cpu = PagedModel(load(), scheme, "cpu", tokens)
+    parity = dtype == torch.float32
+    cpu = PagedModel(load(), scheme, "cpu", tokens, reference_arithmetic=parity)
     cpu_logits = [cpu.forward(ids[s:s + chunk]) for s in range(0, tokens, chunk)]
     rows = []
     for impl in impls:
         try:
-            paged = PagedModel(load(), scheme, device, tokens, impl)
+            paged = PagedModel(load(), scheme, device, tokens, impl, parity)
         except ValueError as e:  # this implementation cannot read the scheme there: say why
             rows.append(dict(scheme=scheme_name, device=device, attention_impl=impl, skipped=str(e)))
             continue
         diff = max(float((paged.forward(ids[s:s + chunk]).cpu() - ref).abs().max())
                    for s, ref in zip(range(0, tokens, chunk), cpu_logits))
-        paged = PagedModel(load(), scheme, device, tokens, impl)
+        paged = PagedModel(load(), scheme, device, tokens, impl, parity)
         nll = teacher_forced_nll(paged.forward, ids, chunk)
         rows.append(dict(scheme=scheme_name, device=device, dtype=str(dtype).removeprefix("torch."),
                          attention_impl=paged.attention_impl,

@@ -1,14 +1,15 @@
 """The exact part of a prefill chunk, each kernel the serving path can take for it: the
 C++ dense kernel (``csrc/cpu/dense_attention.cpp``: bf16 products by AMX tiles where the
-CPU has them, else AVX-512 BF16 pairs) against torch's fused CPU attention in bf16
+CPU has them, else AVX-512 BF16 pairs, or float32) against torch's fused CPU attention
 (:func:`vllm_lowbit_kv.paged.attention.torch_causal_attend_with_lse`, oneDNN), on the same
-bf16 rows: whether the C++ kernel is still the faster choice on this CPU.
+rows of the model's dtype (``--dtype``: bfloat16, or float32 as CPUs without AVX-512 BF16
+serve): whether the C++ kernel is still the faster choice on this CPU.
 
     python -m bench.prefill_exact --json bench/results/prefill_exact.json
 
 Causal self-attention of a chunk of ``--rows`` rows (SmolLM2's 9 query and 3 KV heads of 64
 channels by default), as :func:`vllm_lowbit_kv.paged.attention.prefill_exact_attention` calls
-each kernel (torch's with its KV heads repeated for the query heads, its bf16 output widened
+each kernel (torch's with its KV heads repeated for the query heads, its output widened
 to float32). Per chunk size the kernels alternate for ``--rounds`` rounds of ``--calls``
 calls each; a row gives each kernel's median milliseconds per call and ``x_dense``, the
 dense kernel's median time over the other's (above 1: faster than the dense kernel). The
@@ -34,13 +35,13 @@ from bench.plotting import pyplot, save
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def kernels() -> dict:
+def kernels(dtype: str) -> dict:
     """name -> f(q, k, v, scale) -> (out float32 [Q, Hq, D], lse [Q, Hq])."""
     from vllm_lowbit_kv.ops import cpu
     from vllm_lowbit_kv.paged.attention import torch_causal_attend_with_lse
 
     return {"dense_cpp": lambda q, k, v, scale: cpu.dense_attention(q, k, v, scale, causal=True),
-            "torch_bf16": torch_causal_attend_with_lse}
+            f"torch_{dtype}": torch_causal_attend_with_lse}
 
 
 def time_call(f, args, calls: int) -> float:
@@ -53,12 +54,12 @@ def time_call(f, args, calls: int) -> float:
 
 def measure(rows: int, args, fns: dict) -> dict:
     g = torch.Generator().manual_seed(rows)
-    q, k, v = (torch.randn(rows, h, args.head_dim, generator=g).bfloat16()
+    q, k, v = (torch.randn(rows, h, args.head_dim, generator=g).to(getattr(torch, args.dtype))
                for h in (args.q_heads, args.kv_heads, args.kv_heads))
     scale = args.head_dim ** -0.5
     (o1, l1), (o2, l2) = (fns[n](q, k, v, scale) for n in fns)  # also each kernel's warm-up
     out_diff, lse_diff = (o1 - o2).abs().max().item(), (l1 - l2).abs().max().item()
-    if out_diff > 0.05 or lse_diff > 0.01:  # both are bf16 attention of the same rows
+    if out_diff > 0.05 or lse_diff > 0.01:  # both attend to the same rows: at most bf16 rounding
         raise RuntimeError(f"{rows} rows: the kernels differ by {out_diff} (out), {lse_diff} (lse)")
     times: dict[str, list[float]] = {n: [] for n in fns}
     for _ in range(args.rounds):
@@ -80,7 +81,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("rows of the prefill chunk")
     ax.set_ylabel("ms per call (median)")
-    ax.set_title(f"exact part of a prefill chunk, {result['threads']} threads\n"
+    ax.set_title(f"exact part of a prefill chunk, {result['dtype']}, "
+                 f"{result['threads']} threads\n"
                  f"{result['machine']['cpu']} (AMX tiles: {result['amx_tiles']})", fontsize=9)
     ax.legend()
     save(fig, path)
@@ -128,6 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="256,512,1024,2048", help="chunk sizes, comma-separated")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="the rows' dtype (the model's)")
     add_run_arguments(p, "prefill_exact.json", calls=5)
     args = p.parse_args(argv)
     sizes = positive_ints(p, "--rows", args.rows)
@@ -137,17 +141,17 @@ def main(argv: list[str] | None = None) -> dict:
     error = cpu.load_library()
     if error:
         sys.exit(f"bench.prefill_exact: the C++ kernel did not load: {error}")
-    fns = kernels()
+    fns = kernels(args.dtype)
     result = dict(command="python -m bench.prefill_exact " + shlex.join(argv or sys.argv[1:]),
                   machine=machine.describe(), amx_tiles="amx_tile" in machine.isa(),
-                  threads=torch.get_num_threads(), torch=torch.__version__,
+                  threads=torch.get_num_threads(), torch=torch.__version__, dtype=args.dtype,
                   shape=dict(q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim),
                   rounds=args.rounds, calls=args.calls, kernels=list(fns), rows=[])
     for rows in sizes:
         result["rows"].append(measure(rows, args, fns))
         r = result["rows"][-1]
         print(f"{rows:5d} rows: " + ", ".join(f"{n} {m:.3f} ms" for n, m in r["ms"].items())
-              + f"; torch_bf16 x{r['x_dense']['torch_bf16']:.2f} of dense_cpp's speed",
+              + f"; torch x{r['x_dense'][f'torch_{args.dtype}']:.2f} of dense_cpp's speed",
               flush=True)
     write(result, args, plot)
     return result

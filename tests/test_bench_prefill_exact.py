@@ -8,15 +8,17 @@ import pytest
 from bench.prefill_exact import main
 
 
-def test_both_kernels_timed_on_the_same_rows(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_both_kernels_timed_on_the_same_rows(tmp_path, dtype):
     from vllm_lowbit_kv.ops import cpu
 
     if cpu.load_library():
         pytest.skip("the C++ kernel did not build here")
     out = tmp_path / "p.json"
-    main(["--rows", "32,96", "--rounds", "2", "--calls", "1", "--json", str(out)])
+    main(["--rows", "32,96", "--rounds", "2", "--calls", "1", "--dtype", dtype,
+          "--json", str(out)])
     result = json.loads(out.read_text())
-    assert result["kernels"] == ["dense_cpp", "torch_bf16"]
+    assert result["kernels"] == ["dense_cpp", f"torch_{dtype}"] and result["dtype"] == dtype
     assert "cpu" in result["machine"] and isinstance(result["amx_tiles"], bool)
     assert [r["rows"] for r in result["rows"]] == [32, 96]
     for r in result["rows"]:
@@ -26,7 +28,8 @@ def test_both_kernels_timed_on_the_same_rows(tmp_path):
 
 
 @pytest.mark.parametrize("argv,flag", [(["--rows", "a,2"], "--rows"), (["--rounds", "0"], "--rounds"),
-                                       (["--q-heads", "8"], "--q-heads")])
+                                       (["--q-heads", "8"], "--q-heads"),
+                                       (["--dtype", "float16"], "--dtype")])
 def test_bad_arguments_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit):
         main(argv)

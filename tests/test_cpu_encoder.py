@@ -263,15 +263,20 @@ def test_stp_formats_stay_with_the_codecs(scheme, params):
                        stored(reference.store, layout, k, v, gids, 3))
 
 
-@pytest.mark.parametrize("dtype,takes_cpp", [(torch.bfloat16, True), (torch.float16, True),
-                                             (torch.float32, False)])
-def test_serving_writes_take_the_encoder_for_bf16_and_fp16_only(monkeypatch, dtype, takes_cpp):
-    """paged.forward_layer through chunked prefill and decode: a bf16 / fp16 model's groups
-    go through the C++ encoder (sink groups included), a float32 model's (the engines'
-    parity mode) through the codecs; either way the pages hold what the codecs would
-    store, up to ties."""
+@pytest.mark.parametrize("dtype,reference_arithmetic", [
+    (torch.bfloat16, False), (torch.float16, False), (torch.float32, False),
+    (torch.float32, True)])
+def test_serving_writes_take_the_encoder_unless_reference_arithmetic(monkeypatch, dtype,
+                                                                     reference_arithmetic):
+    """paged.forward_layer through chunked prefill and decode: a model's groups go through
+    the C++ encoder (sink groups included) whatever its dtype, through the codecs with
+    ``reference_arithmetic`` (the engines' float32 parity checks). That the encoder stores
+    what the codecs would: the tests above."""
+    import functools
+
     import vllm_lowbit_kv.paged.layout as paged_layout
     from test_paged import make, run_schedule
+    from vllm_lowbit_kv.paged import forward_layer
 
     calls = []
 
@@ -285,5 +290,8 @@ def test_serving_writes_take_the_encoder_for_bf16_and_fp16_only(monkeypatch, dty
         torch.randn(L, 9, 64).to(dtype),) for L in (70, 37)]  # test_paged's 3 KV heads
     tables = [torch.arange(i * 8, (i + 1) * 8) for i in range(2)]
     layout, pages, staging, alloc = make("vidkv", T=16, block_size=32, sinks=2)
-    run_schedule(layout, pages, staging, alloc, seqs, tables, [[40, 20], [30, 17], [1, 1]])
+    run_schedule(layout, pages, staging, alloc, seqs, tables, [[40, 20], [30, 17], [1, 1]],
+                 forward=functools.partial(forward_layer,
+                                           reference_arithmetic=reference_arithmetic))
+    takes_cpp = not reference_arithmetic
     assert (sum(calls) == 6) == takes_cpp and bool(calls) == takes_cpp  # 4 + 2 full groups

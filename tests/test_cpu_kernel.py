@@ -757,14 +757,14 @@ def test_merge_into_the_output_equals_the_pytorch_merge(dtype):
     assert bool((output[n:] == 7).all())
 
 
-# ----------------------------------------------------------------------- dense bf16 prefill
+# ---------------------------------------------------------------------------- dense prefill
 #: the dense kernel computes in float32 (bf16 inputs widened exactly): only the order of
 #: the sums differs from float32 attention
 DENSE_TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 def dense_op(q, k, v, scale, causal):
-    """The dense kernel's op itself (the wrapper takes bf16 only; the op also float32)."""
+    """The dense kernel's op itself (no wrapper)."""
     n, Hq, D = q.shape
     out, lse = torch.empty(n, Hq, D), torch.empty(n, Hq)
     torch.ops.lowbit_kv.dense_attention(q, k, v, causal, k.shape[0] - n, scale, out, lse)
@@ -812,7 +812,7 @@ def test_dense_attention_strides_empty_rows_and_poisoned_outputs(built):
     """Strided views are read as they are, and out written as a strided view in float32 or
     bf16; every output is written (NaN-poisoned before); rows that see no key (a negative
     causal offset) get 0 and -inf; bad arguments are errors; inputs the kernel does not
-    take get None from the wrapper."""
+    take get None from the wrapper, which runs the op for bf16 and float32 alike."""
     g = torch.Generator().manual_seed(3)
     n, S, Hq, H, D = 40, 40, 6, 3, 64
     q = torch.randn(Hq, n, D, generator=g).bfloat16().transpose(0, 1)  # strided rows
@@ -841,33 +841,45 @@ def test_dense_attention_strides_empty_rows_and_poisoned_outputs(built):
                                             lse[:, :5].contiguous())
     assert cpu.dense_attention(q.half(), k.half(), v.half(), 0.1, causal=True) is None
     assert cpu.dense_attention(q.float(), k, v, 0.1, causal=True) is None
-    assert cpu.dense_attention(q.float(), k.float(), v.float(), 0.1, causal=True) is None
+    f32 = [x.float() for x in (q, k, v)]
+    got, want = cpu.dense_attention(*f32, 0.1, causal=True), dense_op(*f32, 0.1, True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def prefill_exact(q, k, v, ks, vs, scale):
+def prefill_exact(q, k, v, ks, vs, scale, reference_arithmetic=False):
     """prefill_exact_attention into NaN-poisoned outputs: (out, lse)."""
     from vllm_lowbit_kv.paged.attention import prefill_exact_attention
 
     out = torch.full(q.shape, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"))
-    prefill_exact_attention(q, k, v, ks, vs, scale, out, lse)
+    prefill_exact_attention(q, k, v, ks, vs, scale, out, lse,
+                            reference_arithmetic=reference_arithmetic)
     return out, lse
 
 
-def test_prefill_chunks_take_the_dense_kernel(built):
+def test_prefill_chunks_take_the_dense_kernel(built, monkeypatch):
     """A prefill chunk without exact context (its own tokens causally) runs the dense kernel
-    for bf16 inputs on the CPU, within its pair tiles' rounding of float32 attention, and
-    torch's attention for float32 ones (the engines' parity runs), within summation order."""
+    on the CPU for bf16 and float32 inputs (within its pair tiles' rounding, or summation
+    order, of float32 attention), and torch's attention with ``reference_arithmetic`` (the
+    engines' float32 parity checks) without calling the kernel."""
+    import vllm_lowbit_kv.paged.attention as attention
+
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(70, h, 64, generator=g) for h in (9, 3, 3))
-    bf = [x.bfloat16() for x in (q, k, v)]
-    got = prefill_exact(*bf, [], [], 0.125)
-    direct = cpu.dense_attention(*bf, 0.125, causal=True)
-    assert torch.equal(got[0], direct[0]) and torch.equal(got[1], direct[1])
-    want_out, want_lse = dense_reference(*bf, 0.125, 0)
-    torch.testing.assert_close(got[0], want_out, **BF16_OUT_TOL)
-    torch.testing.assert_close(got[1], want_lse, **BF16_LSE_TOL)
-    out, lse = prefill_exact(q, k, v, [], [], 0.125)
+    for x, out_tol, lse_tol in ([(q, k, v), DENSE_TOL, DENSE_TOL],
+                                [[y.bfloat16() for y in (q, k, v)], BF16_OUT_TOL, BF16_LSE_TOL]):
+        got = prefill_exact(*x, [], [], 0.125)
+        direct = cpu.dense_attention(*x, 0.125, causal=True)
+        assert torch.equal(got[0], direct[0]) and torch.equal(got[1], direct[1])
+        want_out, want_lse = dense_reference(*x, 0.125, 0)
+        torch.testing.assert_close(got[0], want_out, **out_tol)
+        torch.testing.assert_close(got[1], want_lse, **lse_tol)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the dense kernel ran under reference_arithmetic")
+
+    monkeypatch.setattr(attention, "dense_attention", refuse)
+    out, lse = prefill_exact(q, k, v, [], [], 0.125, reference_arithmetic=True)
     want_out, want_lse = dense_reference(q, k, v, 0.125, 0)
     torch.testing.assert_close(out, want_out, **DENSE_TOL)
     torch.testing.assert_close(lse, want_lse, **DENSE_TOL)

@@ -26,10 +26,11 @@ def test_fields_cover_every_codec_parameter():
     cache = {"block_tokens", "sink_tokens", "residual_tokens", "leading_tokens", "page_tokens",
              "rotate", "rotate_seed",
              "protect_first", "retrieval_heads", "retrieval_scheme", "retrieval_keys_only",
-             "staging_dtype", "skip_layers", "obs_window", "attention_impl"}
+             "staging_dtype", "skip_layers", "obs_window"}
+    kernels = {"attention_impl", "reference_arithmetic"}
     eviction = {"eviction", "retention", "eviction_gamma", "eviction_sinks", "recent_window",
                 "eviction_layer_cap"}
-    assert set(LowBitKVConfig.model_fields) == params | cache | eviction
+    assert set(LowBitKVConfig.model_fields) == params | cache | eviction | kernels
 
 
 @pytest.mark.parametrize("raw,scheme,match", [
@@ -58,6 +59,8 @@ def test_fields_cover_every_codec_parameter():
     ({"protect_first": "audio"}, "vidkv_stp", r"field 'protect_first': Input should be 'visual' or 'text'"),
     ({"protect_first": "text"}, "kivi2",
      r"protect_first must be 'visual' unless the scheme protects tokens \(protect > 0\), got 'text'"),
+    ({"reference_arithmetic": "yes"}, "vidkv",
+     r"field 'reference_arithmetic': Input should be a valid boolean, got 'yes'"),
     ({"skip_layers": [-2]}, "vidkv", r"field 'skip_layers': layer indices must be >= 0"),
     ({"block_tokens": 0}, "vidkv", r"field 'block_tokens': Input should be greater than or equal to 1"),
     ({"ema": 0.9}, "dynamic4", r"ema must be 0 for --kv-cache-dtype dynamic4 in the vLLM backend"),

@@ -8,9 +8,11 @@ default text with the same chunking, C = 96 tokens (not a multiple of the
   attends to itself exactly and to earlier chunks through the codec, the
   incomplete last group in the model dtype), fed C tokens per forward;
 * vLLM: ``python -m serving --dtype float32 --kv-cache-dtype X
-  --max-num-batched-tokens 96`` (chunked prefill), log p of every prompt token via
-  ``prompt_logprobs=0``; the reference is ``--kv-cache-dtype auto`` (a float32
-  cache: vLLM's CPU build refuses a 16-bit cache under a float32 model).
+  --max-num-batched-tokens 96`` (chunked prefill) with ``reference_arithmetic`` (the
+  codecs and torch's attention where the server would take its C++ encoder and dense
+  kernel), log p of every prompt token via ``prompt_logprobs=0``; the reference is
+  ``--kv-cache-dtype auto`` (a float32 cache: vLLM's CPU build refuses a 16-bit cache
+  under a float32 model).
 
 Why float32: in bf16 the two engines' own K/V differ at bf16 rounding (0.039 nats
 per position), each difference flips some codes at the quantizers' rounding
@@ -88,6 +90,10 @@ REFERENCE = "auto"  # the float32 model's own cache dtype
 CONFIGS = {"kivi2@hadamard": ("kivi2", {"rotate": "hadamard"}), "vidkv_paper": ("vidkv_paper", {}),
            "vidkv": ("vidkv", {})}
 SCHEMES = tuple(CONFIGS)
+#: the schemes' servers encode and attend to their prefill chunks' exact parts as the
+#: transformers cache does (the codecs, torch's attention), not by the C++ encoder and dense
+#: kernel, whose float32 rounding flips a few codes at their thresholds
+PARITY = {"reference_arithmetic": True}
 DTYPES = (REFERENCE, *SCHEMES)
 #: bounds (measured values in the module docstring)
 E0_MAX = 1e-3               # float32 vs float32, mean |dlogprob|
@@ -114,7 +120,8 @@ def servers(model_dir):
     meanwhile)."""
     srv = {n: measurement_server(model_dir, CONFIGS.get(n, (n,))[0], chunk=C, max_model_len=1024,
                                  kv_cache_bytes=SMALL_KV_BYTES, max_num_seqs=2,
-                                 additional_config=CONFIGS.get(n, (n, {}))[1], extra_args=FLOAT32_WEIGHTS)
+                                 additional_config={**CONFIGS[n][1], **PARITY} if n in CONFIGS
+                                 else None, extra_args=FLOAT32_WEIGHTS)
            for n in DTYPES}
     try:
         for s in srv.values():

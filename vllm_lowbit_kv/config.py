@@ -87,6 +87,11 @@ Kernels:
   environment variable ``LOWBIT_KV_ATTENTION_IMPL``, else ``auto``. A named
   implementation that cannot run is refused at start-up with the reason
   (:mod:`vllm_lowbit_kv.ops`).
+* ``reference_arithmetic``: ``true`` encodes groups with the codecs and attends to a
+  prefill chunk's exact part with torch, the transformers cache's own arithmetic,
+  instead of the C++ encoder and dense kernel (default ``false``): what the engines'
+  float32 parity checks need, where the kernels' float32 rounding flips a few codes
+  at their thresholds; slower.
 
 Codec parameters (each reaches the scheme's codec(s) that take it, see
 :meth:`vllm_lowbit_kv.schemes.KVScheme.with_params`; a parameter no codec of
@@ -134,7 +139,7 @@ EVICTION_FIELDS = ("eviction", "retention", "eviction_gamma", "eviction_sinks", 
                    "eviction_layer_cap")
 CACHE_FIELDS = (*SCHEME_CACHE_FIELDS, "skip_layers", "obs_window", *EVICTION_FIELDS)
 DEFAULT_LAYER_CAP = 2.0
-KERNEL_FIELDS = ("attention_impl",)
+KERNEL_FIELDS = ("attention_impl", "reference_arithmetic")
 
 
 class LowBitKVConfigError(ValueError):
@@ -178,6 +183,7 @@ class LowBitKVConfig(BaseModel):
     eviction_layer_cap: float = DEFAULT_LAYER_CAP
     # kernels
     attention_impl: Literal[ATTENTION_IMPLS] | None = None  # type: ignore[valid-type]
+    reference_arithmetic: bool = False
     # codec parameters (None: the scheme's default)
     k: float | None = None
     fft: bool | None = None

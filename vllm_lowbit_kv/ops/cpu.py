@@ -40,8 +40,9 @@ Work items with many query vectors (a prefill chunk) decode each group once into
 and multiply them (``csrc/cpu/micro_gemm.h``: float32, or bf16 pairs for bf16 queries where
 the build has AVX-512 BF16, as AMX tile multiplies where it has AMX). The library also
 holds :func:`dense_attention` (``csrc/cpu/dense_attention.cpp``): attention over bf16 or
-float32 K/V by the same matrix products, which the exact part of a bf16 prefill chunk takes (:mod:`vllm_lowbit_kv.paged.attention`;
-float32 keeps torch's attention, :data:`DENSE_DTYPES`).
+float32 K/V by the same matrix products, which the exact part of a prefill chunk takes
+(:mod:`vllm_lowbit_kv.paged.attention`; the engines' float32 parity checks keep torch's
+attention, ``reference_arithmetic``).
 """
 
 from __future__ import annotations
@@ -94,11 +95,8 @@ LIBRARY = "lowbit_kv_cpu"  # the library; its ops are torch.ops.lowbit_kv.*
 
 name = "cpp"
 LANES = 16  # floats per vector in the widest build (AVX-512): head_dim must be a multiple
-#: what dense_attention takes: bf16 only. float32 runs (the engines' parity checks) keep
-#: torch's attention, the transformers engine's own arithmetic: a last-bit difference in a
-#: first chunk's hidden states flips 1- and 2-bit codes of the next layers' pages and moved
-#: vidkv's parity perplexity by 0.2% (the kernel itself takes float32 too)
-DENSE_DTYPES = (torch.bfloat16,)
+#: what dense_attention takes
+DENSE_DTYPES = (torch.bfloat16, torch.float32)
 
 #: an absent optional tensor argument of the kernels (made once: a call per layer and step
 #: costs about a microsecond each)
@@ -204,7 +202,7 @@ def _search_tables(codec) -> tuple[torch.Tensor, torch.Tensor]:
     floats = torch.cat([cols.reshape(-1), norms.reshape(-1), *bounds])
     d = codec.group_size
     if d % LANES or d > 128:
-        return floats, torch.empty(0, dtype=torch.int32)
+        return floats, torch.empty(0, dtype=torch.int32, device="cpu")
     half = books.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
     return floats, (half[..., 0::2] | (half[..., 1::2] << 16)).reshape(-1)
 
@@ -222,7 +220,8 @@ def rvq_table_bytes(fmt: PageFormat) -> int:
 def _float32_up(x: torch.Tensor) -> torch.Tensor:
     """float64 -> the float32 at or above each element."""
     y = x.float()
-    return torch.where(y.double() < x, torch.nextafter(y, torch.tensor(float("inf"))), y)
+    up = torch.nextafter(y, torch.tensor(float("inf"), device=x.device))
+    return torch.where(y.double() < x, up, y)
 
 
 def _descriptors(fmt: PageFormat) -> Descriptors:
@@ -246,20 +245,22 @@ def _descriptors(fmt: PageFormat) -> Descriptors:
     else:
         value = [VAL_TERNARY, fmt.n_protect, v("prot_scale"), v("prot_zero"), v("tok_mask"),
                  v("prot_codes"), v("alpha"), v("trits")]
-    fft = fft_matrix("inverse_t", fmt.n1, fmt.n1, "cpu") if fmt.fft else torch.empty(0)
+    fft = (fft_matrix("inverse_t", fmt.n1, fmt.n1, "cpu") if fmt.fft
+           else torch.empty(0, device="cpu"))
     geometry = [fmt.T, fmt.D, fmt.H, fmt.groups_per_block, fmt.sink_bytes, fmt.state_bytes,
                 fmt.k_bytes]
     # the layer's RVQ codebooks, keys' then values' (values alone: retrieval heads' keys-only)
     rvq = [c for c, kind in ((fmt.key_codec, fmt.key_kind == KEY_RVQ),
                              (fmt.value_codec, fmt.val_kind == VAL_RVQ)) if kind]
     codebooks = (joint_codewords(*rvq) if len(rvq) == 2 else
-                 rvq[0].codewords.reshape(-1) if rvq else torch.empty(0))
+                 rvq[0].codewords.reshape(-1) if rvq else torch.empty(0, device="cpu"))
     tables = [_search_tables(c) for c in rvq]
-    search = torch.cat([t[0] for t in tables]) if tables else torch.empty(0)
-    pairs = torch.cat([t[1] for t in tables]) if tables else torch.empty(0, dtype=torch.int32)
+    search = torch.cat([t[0] for t in tables]) if tables else torch.empty(0, device="cpu")
+    pairs = (torch.cat([t[1] for t in tables]) if tables
+             else torch.empty(0, dtype=torch.int32, device="cpu"))
     # the kernel's key tables read the keys' codebooks transposed: their search tables' head
     key_columns = (search[:fmt.key_codec.codewords.numel()] if fmt.key_kind == KEY_RVQ
-                   else torch.empty(0))
+                   else torch.empty(0, device="cpu"))
     return Descriptors(geometry, key, value, fft, codebooks, key_columns, search, pairs)
 
 
@@ -375,8 +376,8 @@ def dense_runs(query: torch.Tensor) -> bool:
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                     causal: bool, out: torch.Tensor | None = None, lse: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Attention of query [n, Hq, D] over key, value [S, H, D], all bfloat16 on the CPU
-    (causal: row i sees keys j <= i + S - n), by the C++ kernel
+    """Attention of query [n, Hq, D] over key, value [S, H, D], all bfloat16 or all float32
+    on the CPU (causal: row i sees keys j <= i + S - n), by the C++ kernel
     (``csrc/cpu/dense_attention.cpp``: bf16 products with float32 sums where the CPU has
     AVX-512 BF16, else float32): out [n, Hq, D] and lse [n, Hq] float32, written into
     ``out`` (float32, bfloat16 or float16, unit stride in the last dim) and ``lse``
@@ -514,9 +515,9 @@ def encode_states(fmt: PageFormat, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     desc = _descriptor_cache.get(fmt)
     if desc is None:
         desc = _descriptor_cache[fmt] = _descriptors(fmt)
-    fft = fft_matrix("forward", fmt.n1, fmt.n1, "cpu") if fmt.fft else torch.empty(0)
+    fft = fft_matrix("forward", fmt.n1, fmt.n1, "cpu") if fmt.fft else _NONE
     gamma = getattr(fmt.value_codec, "gamma", 0.0)
-    states = torch.empty(k.shape[0], fmt.H, fmt.state_bytes, dtype=torch.uint8)
+    states = torch.empty(k.shape[0], fmt.H, fmt.state_bytes, dtype=torch.uint8, device="cpu")
     if not torch.ops.lowbit_kv.encode_states(k, v, desc.geometry, desc.key, desc.value,
                                              fmt.one_bit, gamma, fft, desc.codebooks,
                                              desc.search, desc.search_pairs, states):

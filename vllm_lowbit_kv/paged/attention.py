@@ -127,30 +127,41 @@ class PackedGroups:
         cpu.decode_groups(self.pages, self.layout, self.gids, self.skip, key_out, value_out)
 
 
-def reads_packed_dense(packed_attention, layout: PagedLayout, query: torch.Tensor) -> bool:
+def dense_kernel_runs(query: torch.Tensor, reference_arithmetic: bool) -> bool:
+    """Whether a prefill chunk's exact part goes through the C++ dense kernel: where it
+    runs (:func:`~vllm_lowbit_kv.ops.cpu.dense_runs`), unless ``reference_arithmetic``
+    asks for torch's attention, the transformers cache's own arithmetic (the engines'
+    float32 parity checks: the kernel's summation order moved vidkv's parity perplexity
+    by 0.2%, through codes of the next layers flipped at their thresholds)."""
+    return not reference_arithmetic and cpu.dense_runs(query)
+
+
+def reads_packed_dense(packed_attention, layout: PagedLayout, query: torch.Tensor,
+                       reference_arithmetic: bool = False) -> bool:
     """Whether prefill chunks read their packed context as dense rows, decoded by the C++
     kernel's arithmetic, in the dense kernel's one pass over [context, own keys] (no
     packed call, no merge): where the C++ kernel reads the pages (``packed_attention``
-    is it) and the dense kernel runs (bf16 on the CPU), without a rotation (the rows
-    would be rotated). Decode rows keep the packed kernel, which reads fewer bytes than
-    the rows it would decode."""
+    is it) and the dense kernel runs (:func:`dense_kernel_runs`), without a rotation (the
+    rows would be rotated). Decode rows keep the packed kernel, which reads fewer bytes
+    than the rows it would decode."""
     return (packed_attention is cpu.attention and layout.rotation is None
-            and cpu.dense_runs(query))
+            and dense_kernel_runs(query, reference_arithmetic))
 
 
 def prefill_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float,
                             out: torch.Tensor, lse: torch.Tensor,
-                            packed: PackedGroups | None = None) -> None:
+                            packed: PackedGroups | None = None,
+                            reference_arithmetic: bool = False) -> None:
     """A prefill chunk's exact part: its rows q [Q, Hq, D] over the exact context ``ks``,
     ``vs`` (each [1, E_i, H, D] float32: sinks, staged run) and ``packed`` (its packed
     groups, decoded; only where :func:`reads_packed_dense`) whole and over their own keys
     k, v [Q, H, D] causally -> ``out`` [Q, Hq, D] (float32 or the model's dtype, unit stride
     in the last dim) and ``lse`` [Q, Hq] (float32, contiguous).
-    With the dense kernel one causal call over [context, own keys] (row i sees the context
-    and its own keys 0..i), straight into ``out`` and ``lse``; otherwise the two parts
-    apart, merged."""
-    if cpu.dense_runs(q):
+    With the dense kernel (:func:`dense_kernel_runs`) one causal call over [context, own
+    keys] (row i sees the context and its own keys 0..i), straight into ``out`` and
+    ``lse``; otherwise the two parts apart, merged."""
+    if dense_kernel_runs(q, reference_arithmetic):
         keys, values = k, v
         if ks or packed is not None:
             # the context is stored in the model dtype: back to it without loss
@@ -184,8 +195,8 @@ def prefill_exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, pages: torch.Tensor, staging: Staging, scale: float,
-                    packed_dense: bool = False, into: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    packed_dense: bool = False, into: torch.Tensor | None = None,
+                    reference_arithmetic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Every fresh row over its request's exact keys (:class:`ExactBatch`): out
     [n, Hq, D] float32 and lse [n, Hq], to merge with the packed part; with ``into`` (the
     layer's output [n, Hq, D], unit stride in the last dim) the rows are written there, in its
@@ -193,7 +204,7 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
     (one request, several rows) sees its sinks and staged run whole and its fresh tokens
     causally (:func:`prefill_exact_attention`); with ``packed_dense``
     (:func:`reads_packed_dense`) its packed groups too, which the packed part then
-    leaves out."""
+    leaves out; ``reference_arithmetic``: see :func:`dense_kernel_runs`."""
     n, Hq, D = query.shape[0], query.shape[1], query.shape[2]
     require(into is None or rplan.prefill_only, "into",
             "given for prefill chunks only (decode rows write float32)", "a decode batch")
@@ -226,7 +237,7 @@ def exact_attention(rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor, k
                 if (g1 - g0) * layout.T > skip:
                     packed = PackedGroups(pages, layout, rplan.page_gids[g0:g1], skip)
             prefill_exact_attention(query[rows], key[rows], value[rows], ks, vs, scale,
-                                    out[rows], lse[rows], packed)
+                                    out[rows], lse[rows], packed, reference_arithmetic)
             continue
         ks.append(key[b.rows].float())
         vs.append(value[b.rows].float())

@@ -16,7 +16,7 @@ from .write import Staging, encode_groups, stage_tokens, write_sink_tokens
 def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query: torch.Tensor,
                   key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, staging: Staging,
                   scale: float, out: torch.Tensor, obs_window: int | None = None,
-                  packed_attention=None) -> None:
+                  packed_attention=None, reference_arithmetic: bool = False) -> None:
     """One layer, one step: encode the groups this step completes (with STP relevance
     when ``obs_window`` is given and the codecs use it) and write sink tokens; then every
     request attends to its context (pages + staged tail + sinks) and its fresh tokens in
@@ -37,12 +37,16 @@ def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query:
     un-rotated, :mod:`vllm_lowbit_kv.rotation`); the exact keys are attended by
     :func:`exact_attention`; the two parts are merged by log-sum-exp. Only steps that complete a group of an STP
     request decode that request's context (its relevance needs the attention mass
-    over every key)."""
+    over every key).
+
+    ``reference_arithmetic`` encodes with the codecs and attends to a prefill chunk's exact
+    part with torch, the transformers cache's own arithmetic, instead of the C++ encoder
+    and dense kernel: for the engines' float32 parity checks, slower."""
     n = rplan.q_start[-1]
     _encode_in_dependency_order(wplan, rplan, layout, query, key, value, pages, staging, scale,
-                                obs_window)
+                                obs_window, reference_arithmetic)
     if n:
-        dense = reads_packed_dense(packed_attention, layout, query)
+        dense = reads_packed_dense(packed_attention, layout, query, reference_arithmetic)
         if query.shape[0] != n:
             query, out = query[:n], out[:n]
         # with dense, prefill chunks read theirs in exact_attention
@@ -50,7 +54,7 @@ def forward_layer(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout, query:
         # nothing to merge and no decode rows: the exact part writes out itself
         direct = not reads_groups and rplan.prefill_only
         res, res_lse = exact_attention(rplan, layout, query, key, value, pages, staging, scale,
-                                       dense, out if direct else None)
+                                       dense, out if direct else None, reference_arithmetic)
         if reads_groups:
             p_out, p_lse = packed_part(packed_attention or packed_attention_reference, layout,
                                        query, rplan.q_start_t, pages, rplan.group_table,
@@ -76,8 +80,8 @@ def packed_part(packed_attention, layout: PagedLayout, query: torch.Tensor,
 def forward_split_layer(wplan: WritePlan, rplan: ReadPlan, split: HeadSplitLayout,
                         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         pages: torch.Tensor, staging: Staging, scale: float, out: torch.Tensor,
-                        obs_window: int | None = None, packed_attention: list | None = None
-                        ) -> None:
+                        obs_window: int | None = None, packed_attention: list | None = None,
+                        reference_arithmetic: bool = False) -> None:
     """:func:`forward_layer` for a layer whose KV heads are split between page formats
     (retrieval heads): each part runs as a layer of its own over its KV heads, their query
     heads (GQA) and its bytes of the page; part i stages its KV heads in staging heads
@@ -106,7 +110,8 @@ def forward_split_layer(wplan: WritePlan, rplan: ReadPlan, split: HeadSplitLayou
         part_staging = staging.heads(lo, lo + part.H, group)
         forward_layer(wplan, rplan, part, part_q, part_k, part_v, part_pages, part_staging,
                       scale, part_out, obs_window,
-                      None if packed_attention is None else packed_attention[i])
+                      None if packed_attention is None else packed_attention[i],
+                      reference_arithmetic)
         if not one_range:
             out[:n, q_heads] = part_out
         lo += part.H
@@ -115,13 +120,14 @@ def forward_split_layer(wplan: WritePlan, rplan: ReadPlan, split: HeadSplitLayou
 def _encode_in_dependency_order(wplan: WritePlan, rplan: ReadPlan, layout: PagedLayout,
                                 query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                 pages: torch.Tensor, staging: Staging, scale: float,
-                                obs_window: int | None) -> None:
+                                obs_window: int | None, reference_arithmetic: bool) -> None:
     """Encode the step's completed groups. Without relevance: all at once. With it, in
     waves: a request's groups once every completed group its context reads is encoded
     (a same-step prefix-cache hit reads groups its writer completes in this step)."""
     E = wplan.enc_gids.numel()
     if obs_window is None or E == 0:
-        encode_groups(wplan, layout, key, value, pages, staging)
+        encode_groups(wplan, layout, key, value, pages, staging,
+                      reference_arithmetic=reference_arithmetic)
         return
     require(staging.q is not None, "staging.q", "allocated for relevance", None)
     enc_req = wplan.enc_req
@@ -143,7 +149,8 @@ def _encode_in_dependency_order(wplan: WritePlan, rplan: ReadPlan, layout: Paged
             _fill_relevance(rel, r, wplan, rplan, layout, query, key, pages, staging, scale,
                             obs_window)
         wave = ~done & torch.isin(enc_req, torch.tensor(ready, device=enc_req.device))
-        encode_groups(wplan, layout, key, value, pages, staging, rel, torch.nonzero(wave).flatten())
+        encode_groups(wplan, layout, key, value, pages, staging, rel, torch.nonzero(wave).flatten(),
+                      reference_arithmetic)
         done |= wave
 
 

@@ -117,7 +117,7 @@ def apply_writes(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value:
 
 def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value: torch.Tensor,
                   pages: torch.Tensor, staging: Staging, relevance: torch.Tensor | None = None,
-                  rows: torch.Tensor | None = None) -> None:
+                  rows: torch.Tensor | None = None, reference_arithmetic: bool = False) -> None:
     """Encode the completed groups ``rows`` (indices into ``plan.enc_gids``, default all;
     ``relevance`` [E, T, H] is indexed the same way) into their pages, and, with all
     rows (``rows`` None), write the step's sink tokens into their sink areas
@@ -125,17 +125,16 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
 
     Runs before :func:`stage_tokens` of the same step: completed groups read their
     earlier tokens from staging slots that this very step may hand to a new group.
-    Groups encode on the tensors' device. A model in bf16 / fp16 (serving) encodes on
-    the CPU with the C++ encoder where it runs; float32, the engines' parity mode, keeps the
-    codecs, the transformers cache's own arithmetic (the C++ encoder may put a code on the
-    other side of its threshold, within float32 rounding, which moves the next layers).
+    Groups encode on the tensors' device: on the CPU by the C++ encoder where it runs;
+    ``reference_arithmetic`` keeps the codecs, the transformers cache's own arithmetic, for
+    the engines' float32 parity checks (the C++ encoder may put a code on the other side of
+    its threshold, within float32 rounding, which moves the next layers).
     """
     E = plan.enc_gids.numel()
     if rows is None:
         write_sink_tokens(plan, layout, key, value, pages)
     if E == 0 or (rows is not None and rows.numel() == 0):
         return
-    cpp = key.dtype != torch.float32
     tk = _completed_groups(plan, layout.T, key, staging.k)
     tv = _completed_groups(plan, layout.T, value, staging.v)
     if relevance is not None and plan.enc_visual is not None:
@@ -149,7 +148,7 @@ def encode_groups(plan: WritePlan, layout: PagedLayout, key: torch.Tensor, value
         sink_rows = dict(sink_groups)
         sink_groups = [(i, sink_rows[g]) for i, g in enumerate(rows.tolist()) if g in sink_rows]
     relevance = _mask_sinks(tk, tv, relevance, sink_groups)
-    layout.write_states(pages, gids, layout.encode(tk, tv, relevance, cpp))
+    layout.write_states(pages, gids, layout.encode(tk, tv, relevance, cpp=not reference_arithmetic))
 
 
 def _completed_groups(plan: WritePlan, T: int, x: torch.Tensor, staged: StagedTokens

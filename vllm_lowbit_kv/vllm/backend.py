@@ -313,6 +313,7 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
         self.scheme = resolve_scheme(vllm_config)
         cfg = resolve_config(vllm_config)
         self.obs_window = cfg.obs_window if self.scheme.uses_relevance else None
+        self.reference_arithmetic = cfg.reference_arithmetic
         self.model_dtype = vllm_config.model_config.dtype
         self.T = self.scheme.block_tokens
         device = device_type(vllm_config)
@@ -387,9 +388,10 @@ class LowBitKVImpl(AttentionImpl[LowBitKVMetadata]):
         if isinstance(layout, HeadSplitLayout):  # never compacted: eviction is refused
             forward_split_layer(attn_metadata.write, attn_metadata.read, layout, query, key, value,
                                 kv_cache, self.staging, self.scale, out, self.obs_window,
-                                self._part_attention)
+                                self._part_attention, self.reference_arithmetic)
             return output
         forward_layer(attn_metadata.write, attn_metadata.read_for(layer.layer_name, layout), layout,
                       query, key, value, kv_cache,
-                      self.staging, self.scale, out, self.obs_window, self._part_attention[0])
+                      self.staging, self.scale, out, self.obs_window, self._part_attention[0],
+                      self.reference_arithmetic)
         return output
