@@ -3,6 +3,7 @@
     python -m bench.decode                                   # bfloat16 vs vidkv, batch 16
     python -m bench.decode --kv-cache-dtype bfloat16,vidkv,kivi2 --batch 16 \\
         --prompt-tokens 1536 --output-tokens 128 --rounds 2
+    python -m bench.decode --dtype float32 --kv-cache-dtype auto,vidkv   # float32 weights
 
 Each KV dtype gets the real server (``python -m serving``, started through
 :func:`bench.server.measurement_server`: vLLM's OpenAI server with the plugin,
@@ -18,6 +19,11 @@ alternate the dtypes (bf16, scheme, bf16, scheme, ...) so a change in the
 machine's load hits both; the ratio is that of the medians. The JSON records
 the command, the machine, its load average, and every round; a PNG plots them.
 Results: ``bench/results/decode_cpu.{json,png}``.
+
+``--dtype float32`` serves the model in float32 (vLLM's ``--dtype``, every server), as
+CPUs without AVX-512 BF16 serve it fastest (torch has no fast bf16 matrix multiply
+there); the reference is then ``auto``, a float32 cache (the plugin refuses a float32
+model over a 16-bit cache).
 """
 
 from __future__ import annotations
@@ -114,7 +120,9 @@ def measure(args) -> dict:
         for dtype in args.dtypes:
             log = args.log_dir / f"decode_{dtype}_{r}.log" if args.log_dir else None
             server = measurement_server(model_dir, dtype, chunk=args.chunk, max_model_len=max_len,
-                                        kv_space_gib=args.kv_space_gib, max_num_seqs=args.batch, log=log)
+                                        kv_space_gib=args.kv_space_gib, max_num_seqs=args.batch,
+                                        extra_args=["--dtype", args.dtype] if args.dtype else [],
+                                        log=log)
             with server:
                 load = os.getloadavg()[0]
                 res = one_round(server, batch_prompts, args.output_tokens)
@@ -130,7 +138,8 @@ def measure(args) -> dict:
     return dict(
         command=portable.command([sys.executable, "-m", "bench.decode", *sys.argv[1:]], [model_dir]),
         machine=machine.describe(),
-        model=portable.model_name(model_dir), geometry=geo, batch=args.batch,
+        model=portable.model_name(model_dir), model_dtype=args.dtype or "the model's",
+        geometry=geo, batch=args.batch,
         prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens, chunk=args.chunk, kv_space_gib=args.kv_space_gib,
         attention_impl=os.environ.get("LOWBIT_KV_ATTENTION_IMPL", "auto"),
@@ -166,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     p.add_argument("--kv-cache-dtype", dest="dtypes", default="bfloat16,vidkv",
                    help="comma-separated; the first is the reference of the ratios")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                   help="vLLM's --dtype, every server (default: the model's, bfloat16)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=1536)
     p.add_argument("--output-tokens", type=int, default=128)
@@ -175,8 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", type=Path, default=None, help="keep the server logs here")
     p.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.json")
     args = p.parse_args(argv)
-    args.model = args.model or str(prepare_model(progress=False))
     args.dtypes = args.dtypes.split(",")
+    if args.dtype == "float32" and args.dtypes[0] != "auto":
+        p.error(f"--kv-cache-dtype: with --dtype float32 the reference (the first) must be auto "
+                f"(a float32 cache; a float32 model over a 16-bit cache is refused), not "
+                f"{args.dtypes[0]!r}")
+    args.model = args.model or str(prepare_model(progress=False))
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     result = measure(args)
