@@ -138,7 +138,7 @@ def measure(args) -> dict:
     return dict(
         command=portable.command([sys.executable, "-m", "bench.decode", *sys.argv[1:]], [model_dir]),
         machine=machine.describe(),
-        model=portable.model_name(model_dir), model_dtype=args.dtype or "the model's",
+        model=portable.model_name(model_dir), model_dtype=args.dtype or "the model's own",
         geometry=geo, batch=args.batch,
         prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens, chunk=args.chunk, kv_space_gib=args.kv_space_gib,

@@ -245,22 +245,21 @@ def _descriptors(fmt: PageFormat) -> Descriptors:
     else:
         value = [VAL_TERNARY, fmt.n_protect, v("prot_scale"), v("prot_zero"), v("tok_mask"),
                  v("prot_codes"), v("alpha"), v("trits")]
-    fft = (fft_matrix("inverse_t", fmt.n1, fmt.n1, "cpu") if fmt.fft
-           else torch.empty(0, device="cpu"))
+    fft = fft_matrix("inverse_t", fmt.n1, fmt.n1, "cpu") if fmt.fft else _NONE
     geometry = [fmt.T, fmt.D, fmt.H, fmt.groups_per_block, fmt.sink_bytes, fmt.state_bytes,
                 fmt.k_bytes]
     # the layer's RVQ codebooks, keys' then values' (values alone: retrieval heads' keys-only)
     rvq = [c for c, kind in ((fmt.key_codec, fmt.key_kind == KEY_RVQ),
                              (fmt.value_codec, fmt.val_kind == VAL_RVQ)) if kind]
     codebooks = (joint_codewords(*rvq) if len(rvq) == 2 else
-                 rvq[0].codewords.reshape(-1) if rvq else torch.empty(0, device="cpu"))
+                 rvq[0].codewords.reshape(-1) if rvq else _NONE)
     tables = [_search_tables(c) for c in rvq]
-    search = torch.cat([t[0] for t in tables]) if tables else torch.empty(0, device="cpu")
+    search = torch.cat([t[0] for t in tables]) if tables else _NONE
     pairs = (torch.cat([t[1] for t in tables]) if tables
              else torch.empty(0, dtype=torch.int32, device="cpu"))
     # the kernel's key tables read the keys' codebooks transposed: their search tables' head
     key_columns = (search[:fmt.key_codec.codewords.numel()] if fmt.key_kind == KEY_RVQ
-                   else torch.empty(0, device="cpu"))
+                   else _NONE)
     return Descriptors(geometry, key, value, fft, codebooks, key_columns, search, pairs)
 
 
