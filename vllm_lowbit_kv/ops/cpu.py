@@ -245,21 +245,22 @@ def _descriptors(fmt: PageFormat) -> Descriptors:
     else:
         value = [VAL_TERNARY, fmt.n_protect, v("prot_scale"), v("prot_zero"), v("tok_mask"),
                  v("prot_codes"), v("alpha"), v("trits")]
-    fft = fft_matrix("inverse_t", fmt.n1, fmt.n1, "cpu") if fmt.fft else _NONE
+    fft = (fft_matrix("inverse_t", fmt.n1, fmt.n1, "cpu") if fmt.fft
+           else torch.empty(0, device="cpu"))
     geometry = [fmt.T, fmt.D, fmt.H, fmt.groups_per_block, fmt.sink_bytes, fmt.state_bytes,
                 fmt.k_bytes]
     # the layer's RVQ codebooks, keys' then values' (values alone: retrieval heads' keys-only)
     rvq = [c for c, kind in ((fmt.key_codec, fmt.key_kind == KEY_RVQ),
                              (fmt.value_codec, fmt.val_kind == VAL_RVQ)) if kind]
     codebooks = (joint_codewords(*rvq) if len(rvq) == 2 else
-                 rvq[0].codewords.reshape(-1) if rvq else _NONE)
+                 rvq[0].codewords.reshape(-1) if rvq else torch.empty(0, device="cpu"))
     tables = [_search_tables(c) for c in rvq]
-    search = torch.cat([t[0] for t in tables]) if tables else _NONE
+    search = torch.cat([t[0] for t in tables]) if tables else torch.empty(0, device="cpu")
     pairs = (torch.cat([t[1] for t in tables]) if tables
              else torch.empty(0, dtype=torch.int32, device="cpu"))
     # the kernel's key tables read the keys' codebooks transposed: their search tables' head
     key_columns = (search[:fmt.key_codec.codewords.numel()] if fmt.key_kind == KEY_RVQ
-                   else _NONE)
+                   else torch.empty(0, device="cpu"))
     return Descriptors(geometry, key, value, fft, codebooks, key_columns, search, pairs)
 
 
@@ -514,7 +515,8 @@ def encode_states(fmt: PageFormat, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     desc = _descriptor_cache.get(fmt)
     if desc is None:
         desc = _descriptor_cache[fmt] = _descriptors(fmt)
-    fft = fft_matrix("forward", fmt.n1, fmt.n1, "cpu") if fmt.fft else _NONE
+    fft = (fft_matrix("forward", fmt.n1, fmt.n1, "cpu") if fmt.fft
+           else torch.empty(0, device="cpu"))
     gamma = getattr(fmt.value_codec, "gamma", 0.0)
     states = torch.empty(k.shape[0], fmt.H, fmt.state_bytes, dtype=torch.uint8, device="cpu")
     if not torch.ops.lowbit_kv.encode_states(k, v, desc.geometry, desc.key, desc.value,
