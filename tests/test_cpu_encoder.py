@@ -295,3 +295,30 @@ def test_serving_writes_take_the_encoder_unless_reference_arithmetic(monkeypatch
                                            reference_arithmetic=reference_arithmetic))
     takes_cpp = not reference_arithmetic
     assert (sum(calls) == 6) == takes_cpp and bool(calls) == takes_cpp  # 4 + 2 full groups
+
+
+def test_encoder_does_not_depend_on_the_default_dtype_at_import(tmp_path):
+    """vLLM imports the backend under ``set_default_torch_dtype(model dtype)``: the module's
+    shared empty tensors made then must still be what the kernels take (a bf16 ``_NONE``
+    once refused every encode of a bf16 server's RVQ-less formats)."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent(f"""
+        import torch
+        torch.set_default_dtype(torch.bfloat16)
+        from vllm_lowbit_kv.ops import cpu
+        from test_cpu_kernel import layout_for
+        from test_cpu_encoder import kv
+        assert cpu.load_library() is None
+        torch.set_default_dtype(torch.float32)
+        layout = layout_for("vidkv", {{}}, 2, 16, 32)
+        k, v = kv(3, 16, 2, 64, torch.bfloat16, seed=5)
+        torch.save(cpu.encode_states(layout.format, k, v), {str(tmp_path / "states.pt")!r})
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).parent)
+    layout = layout_for("vidkv", {}, 2, 16, 32)
+    k, v = kv(3, 16, 2, 64, torch.bfloat16, seed=5)
+    assert torch.equal(torch.load(tmp_path / "states.pt"), cpu.encode_states(layout.format, k, v))

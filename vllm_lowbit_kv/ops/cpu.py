@@ -99,8 +99,10 @@ LANES = 16  # floats per vector in the widest build (AVX-512): head_dim must be 
 DENSE_DTYPES = (torch.bfloat16, torch.float32)
 
 #: an absent optional tensor argument of the kernels (made once: a call per layer and step
-#: costs about a microsecond each)
-_NONE = torch.empty(0, device="cpu")
+#: costs about a microsecond each). The dtypes are explicit: vLLM imports this module under
+#: its model-dtype default (bfloat16 in a bf16 server), and the kernels take float32 tables.
+_NONE = torch.empty(0, dtype=torch.float32, device="cpu")
+_NO_INTS = torch.empty(0, dtype=torch.int32, device="cpu")
 _build_lock = threading.Lock()
 _build_error: str | None = None
 _built = False
@@ -202,7 +204,7 @@ def _search_tables(codec) -> tuple[torch.Tensor, torch.Tensor]:
     floats = torch.cat([cols.reshape(-1), norms.reshape(-1), *bounds])
     d = codec.group_size
     if d % LANES or d > 128:
-        return floats, torch.empty(0, dtype=torch.int32, device="cpu")
+        return floats, _NO_INTS
     half = books.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
     return floats, (half[..., 0::2] | (half[..., 1::2] << 16)).reshape(-1)
 
@@ -245,22 +247,19 @@ def _descriptors(fmt: PageFormat) -> Descriptors:
     else:
         value = [VAL_TERNARY, fmt.n_protect, v("prot_scale"), v("prot_zero"), v("tok_mask"),
                  v("prot_codes"), v("alpha"), v("trits")]
-    fft = (fft_matrix("inverse_t", fmt.n1, fmt.n1, "cpu") if fmt.fft
-           else torch.empty(0, device="cpu"))
+    fft = fft_matrix("inverse_t", fmt.n1, fmt.n1, "cpu") if fmt.fft else _NONE
     geometry = [fmt.T, fmt.D, fmt.H, fmt.groups_per_block, fmt.sink_bytes, fmt.state_bytes,
                 fmt.k_bytes]
     # the layer's RVQ codebooks, keys' then values' (values alone: retrieval heads' keys-only)
     rvq = [c for c, kind in ((fmt.key_codec, fmt.key_kind == KEY_RVQ),
                              (fmt.value_codec, fmt.val_kind == VAL_RVQ)) if kind]
     codebooks = (joint_codewords(*rvq) if len(rvq) == 2 else
-                 rvq[0].codewords.reshape(-1) if rvq else torch.empty(0, device="cpu"))
+                 rvq[0].codewords.reshape(-1) if rvq else _NONE)
     tables = [_search_tables(c) for c in rvq]
-    search = torch.cat([t[0] for t in tables]) if tables else torch.empty(0, device="cpu")
-    pairs = (torch.cat([t[1] for t in tables]) if tables
-             else torch.empty(0, dtype=torch.int32, device="cpu"))
+    search = torch.cat([t[0] for t in tables]) if tables else _NONE
+    pairs = torch.cat([t[1] for t in tables]) if tables else _NO_INTS
     # the kernel's key tables read the keys' codebooks transposed: their search tables' head
-    key_columns = (search[:fmt.key_codec.codewords.numel()] if fmt.key_kind == KEY_RVQ
-                   else torch.empty(0, device="cpu"))
+    key_columns = search[:fmt.key_codec.codewords.numel()] if fmt.key_kind == KEY_RVQ else _NONE
     return Descriptors(geometry, key, value, fft, codebooks, key_columns, search, pairs)
 
 
@@ -515,8 +514,7 @@ def encode_states(fmt: PageFormat, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     desc = _descriptor_cache.get(fmt)
     if desc is None:
         desc = _descriptor_cache[fmt] = _descriptors(fmt)
-    fft = (fft_matrix("forward", fmt.n1, fmt.n1, "cpu") if fmt.fft
-           else torch.empty(0, device="cpu"))
+    fft = fft_matrix("forward", fmt.n1, fmt.n1, "cpu") if fmt.fft else _NONE
     gamma = getattr(fmt.value_codec, "gamma", 0.0)
     states = torch.empty(k.shape[0], fmt.H, fmt.state_bytes, dtype=torch.uint8, device="cpu")
     if not torch.ops.lowbit_kv.encode_states(k, v, desc.geometry, desc.key, desc.value,
