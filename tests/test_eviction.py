@@ -333,10 +333,20 @@ def _paged_request(scheme, N, sinks, seed=0, layers=2, chunk=40):
     return layout, alloc, table, state
 
 
+@pytest.mark.parametrize("reference_arithmetic", [False, True])
 @pytest.mark.parametrize("scheme,sinks", [("kivi4", 4), ("vidkv", 0)])
-def test_paged_compaction_and_decode_match_the_kept_set(scheme, sinks):
+def test_paged_compaction_and_decode_match_the_kept_set(monkeypatch, scheme, sinks,
+                                                        reference_arithmetic):
+    """Compaction writes the kept pairs as the write path would encode them: by the C++
+    encoder (where it runs), by the codecs with ``reference_arithmetic``."""
+    import vllm_lowbit_kv.paged.layout as paged_layout
+    from vllm_lowbit_kv.ops import cpu
+
     N = 150
     layout, alloc, table, state = _paged_request(scheme, N, sinks)
+    encoder_calls = []
+    monkeypatch.setattr(paged_layout, "encode_states",
+                        lambda *a: encoder_calls.append(1) or cpu.encode_states(*a))
     pol = make_policy("flashcache", 0.25, sink_tokens=4, recent_window=8)
     geo = paged_geometry(N, PBS, PT, pol, 2.0)
     n_enc = N // PT
@@ -345,7 +355,9 @@ def test_paged_compaction_and_decode_match_the_kept_set(scheme, sinks):
     before = [request_context(layout, p, s, table.tolist(), N, slot) for p, s, _, _ in state]
     plan = pol.plan([k for k, _ in before], [v for _, v in before], keep_from=geo.keep_from,
                     max_layer_budget=geo.max_layer_budget, group=PT)
-    kept = compact_request(geo, pol, [(layout, p, s) for p, s, _, _ in state], table.tolist(), slot)
+    kept = compact_request(geo, pol, [(layout, p, s) for p, s, _, _ in state], table.tolist(), slot,
+                           reference_arithmetic)
+    assert bool(encoder_calls) == (cpu.load_library() is None and not reference_arithmetic)
     # decode one token at position N: one plan for all layers, then each layer's compacted reads
     wp, rp = alloc.plan_step(table[N // PBS:N // PBS + 1] * PBS + N % PBS, [N + 1], [0, 1],
                              table[None], layout.groups_per_block)
@@ -357,7 +369,7 @@ def test_paged_compaction_and_decode_match_the_kept_set(scheme, sinks):
         tv = cv[region].reshape(-1, PT, PH, PD).clone()
         if 0 < sinks < PT:
             tk[0, :sinks], tv[0, :sinks] = tk[0, sinks], tv[0, sinks]
-        ref_k, ref_v = layout.decode(layout.encode(tk, tv))
+        ref_k, ref_v = layout.decode(layout.encode(tk, tv, cpp=not reference_arithmetic))
         ref_k, ref_v = ref_k.reshape(-1, PH, PD), ref_v.reshape(-1, PH, PD)
         ref_k[:sinks], ref_v[:sinks] = ck[:sinks], cv[:sinks]
         for b in geo.freed_blocks:  # given back: whatever lands there is never read

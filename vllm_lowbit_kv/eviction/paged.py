@@ -107,11 +107,13 @@ def request_context(layout: PagedLayout, pages: torch.Tensor, staging: Staging, 
 
 
 def write_compacted(layout: PagedLayout, pages: torch.Tensor, block_ids, k: torch.Tensor,
-                    v: torch.Tensor) -> None:
+                    v: torch.Tensor, reference_arithmetic: bool = False) -> None:
     """Encode kept pairs K, V [c, H, D] (c a multiple of T, in position order, the sequence's
     sinks first) into the first c / T groups of the request's blocks. Sink rows are
     masked for the statistics (:func:`~vllm_lowbit_kv.paged.mask_sink_rows`), as
-    :func:`~vllm_lowbit_kv.paged.apply_writes` does (reads take them from the sink area)."""
+    :func:`~vllm_lowbit_kv.paged.apply_writes` does (reads take them from the sink area).
+    Encoded as the write path encodes (:func:`~vllm_lowbit_kv.paged.encode_groups`): by the
+    C++ encoder where it runs, by the codecs with ``reference_arithmetic``."""
     T = layout.T
     c = k.shape[0]
     require(c % T == 0, "compacted pairs", f"a multiple of the group tokens ({T})", c)
@@ -122,15 +124,16 @@ def write_compacted(layout: PagedLayout, pages: torch.Tensor, block_ids, k: torc
     mask_sink_rows(tk[0], layout.sink_tokens)
     mask_sink_rows(tv[0], layout.sink_tokens)
     gids = _gids(block_ids, torch.arange(c // T), layout.groups_per_block)
-    layout.write_states(pages, gids, layout.encode(tk, tv))
+    layout.write_states(pages, gids, layout.encode(tk, tv, cpp=not reference_arithmetic))
 
 
 def compact_request(geo: PagedEvictionGeometry, policy: EvictionPolicy,
                     layers: list[tuple[PagedLayout, torch.Tensor, Staging]], block_ids,
-                    tail_slot: int) -> list[int]:
+                    tail_slot: int, reference_arithmetic: bool = False) -> list[int]:
     """Evict one request in place: read every layer's prompt K/V (``layers``: layout, pages,
     staging per layer), plan, write each layer's kept pairs below ``keep_from`` to the
-    front of its blocks. Returns each layer's kept length there (a multiple of T)."""
+    front of its blocks (:func:`write_compacted`). Returns each layer's kept length there
+    (a multiple of T)."""
     N, T = geo.prompt_tokens, layers[0][0].T
     kvs = [request_context(layout, pages, staging, block_ids, N, tail_slot)
            for layout, pages, staging in layers]
@@ -142,7 +145,7 @@ def compact_request(geo: PagedEvictionGeometry, policy: EvictionPolicy,
         if region.numel() > geo.region_cap:  # the scheduler freed blocks for at most region_cap
             raise RuntimeError(f"lowbit-kv eviction: layer {i} keeps {region.numel()} pairs, more "
                                f"than the {geo.region_cap} its blocks were sized for")
-        write_compacted(layout, pages, block_ids, k[region], v[region])
+        write_compacted(layout, pages, block_ids, k[region], v[region], reference_arithmetic)
         kept_lens.append(int(region.numel()))
     return kept_lens
 

@@ -179,7 +179,8 @@ def _compact(geo: PagedEvictionGeometry, policy, T: int, layers, block_ids, buil
         slot = builder.alloc.slot_of.get(int(block_ids[n_enc // Ng]) * Ng + n_enc % Ng, -1)
     return compact_request(geo, policy,
                            [(layer.impl._layout_for(layer.kv_cache, layer.layer_name), layer.kv_cache,
-                             layer.impl.staging) for layer in layers], block_ids, slot)
+                             layer.impl.staging) for layer in layers], block_ids, slot,
+                           layers[0].impl.reference_arithmetic)
 
 
 def compacted_rows(block_table: torch.Tensor, num_reqs: int) -> dict[int, tuple[int, dict[str, int]]]:
