@@ -121,8 +121,7 @@ def measure(args) -> dict:
             log = args.log_dir / f"decode_{dtype}_{r}.log" if args.log_dir else None
             server = measurement_server(model_dir, dtype, chunk=args.chunk, max_model_len=max_len,
                                         kv_space_gib=args.kv_space_gib, max_num_seqs=args.batch,
-                                        extra_args=["--dtype", args.dtype] if args.dtype else [],
-                                        log=log)
+                                        model_dtype=args.dtype, log=log)
             with server:
                 load = os.getloadavg()[0]
                 res = one_round(server, batch_prompts, args.output_tokens)

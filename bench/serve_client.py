@@ -62,11 +62,8 @@ from pathlib import Path
 
 from bench import RESULTS, machine, portable
 from bench.plotting import pyplot, save
-from bench.server import measurement_server
+from bench.server import REFERENCE_KV_DTYPE, measurement_server
 
-#: vLLM's --dtype (None: the model's own, bfloat16 here) -> the reference KV dtype, measured
-#: first: the model's dtype (a float32 model over a 16-bit cache is refused, see above)
-REFERENCE = {None: "bfloat16", "bfloat16": "bfloat16", "float32": "auto"}
 #: vLLM's result fields kept per dtype, and whether higher is better
 METRICS = {"output_throughput": True, "mean_ttft_ms": False, "median_ttft_ms": False,
            "mean_tpot_ms": False, "median_tpot_ms": False, "duration": False}
@@ -111,8 +108,7 @@ def server_env(setting: dict) -> dict[str, str | None]:
 def measure(model: str, dtype: str, args, setting: dict) -> dict:
     server = measurement_server(model, dtype, chunk=args.chunk, max_model_len=args.max_model_len,
                                 max_num_seqs=args.prompts, kv_space_gib=args.kv_space_gib,
-                                extra_args=["--dtype", args.dtype] if args.dtype else [],
-                                env=server_env(setting))
+                                model_dtype=args.dtype, env=server_env(setting))
     with server.start() as s, tempfile.TemporaryDirectory() as d:
         run = subprocess.run(client_command(s.port, model, s.model_name, args, d),
                              capture_output=True, text=True, timeout=3600)
@@ -223,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.model is None:
         from vllm_lowbit_kv.model import prepare_model
         args.model = str(prepare_model())
-    dtypes = list(dict.fromkeys([REFERENCE[args.dtype]] + args.kv_cache_dtype.split(",")))
+    dtypes = list(dict.fromkeys([REFERENCE_KV_DTYPE[args.dtype]] + args.kv_cache_dtype.split(",")))
     try:
         values = {name: setting_values(name, getattr(args, name)) for name in SETTINGS}
     except ValueError as e:

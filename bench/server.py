@@ -311,8 +311,17 @@ class Server:
         return info
 
 
+#: vLLM's --dtype for the model (None: the model's own, bfloat16 here) -> the KV dtype the
+#: benchmarks measure the others against: the model's dtype. On CPUs without AVX-512 BF16
+#: float32 weights serve fastest (torch has no fast bf16 matrix multiply there), and a
+#: float32 model over a 16-bit cache is refused at start-up (vLLM's CPU attention answers
+#: garbage for it), so there the reference is ``auto``, a float32 cache.
+REFERENCE_KV_DTYPE = {None: "bfloat16", "bfloat16": "bfloat16", "float32": "auto"}
+
+
 def measurement_server(model: str | Path, kv_cache_dtype: str, *, chunk: int, max_model_len: int,
                        max_num_seqs: int = 4, prefix_caching: bool = False,
+                       model_dtype: str | None = None,
                        additional_config: dict | None = None, kv_space_gib: int | None = None,
                        kv_cache_bytes: int | None = None, extra_args: Sequence[str] = (),
                        env: Mapping[str, str | None] | None = None,
@@ -321,7 +330,8 @@ def measurement_server(model: str | Path, kv_cache_dtype: str, *, chunk: int, ma
 
         python -m serving --model MODEL --kv-cache-dtype X --host 127.0.0.1 --enforce-eager
             --max-num-batched-tokens CHUNK --max-model-len L --max-num-seqs N
-            --no-enable-prefix-caching [--additional-config '{"lowbit_kv": {...}}']
+            --no-enable-prefix-caching [--dtype MODEL_DTYPE]
+            [--additional-config '{"lowbit_kv": {...}}']
 
     ``chunk`` is vLLM's chunked-prefill step, so a long prompt's later chunks attend to
     the cached (quantized) KV; prefix caching is off unless asked for, so every request
@@ -333,6 +343,8 @@ def measurement_server(model: str | Path, kv_cache_dtype: str, *, chunk: int, ma
             "--max-num-seqs", str(max_num_seqs)]
     if not prefix_caching:
         args.append("--no-enable-prefix-caching")
+    if model_dtype:
+        args += ["--dtype", model_dtype]
     if additional_config:
         args += ["--additional-config", json.dumps({"lowbit_kv": additional_config})]
     env = dict(env or {})

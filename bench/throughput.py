@@ -1,9 +1,10 @@
-"""Serving throughput per KV dtype at one KV memory budget, against bfloat16 in the same run.
+"""Serving throughput per KV dtype at one KV memory budget, against the model's dtype in the same run.
 
     python -m bench.throughput             # bfloat16, fp8, vidkv, kivi2, quantile1 (long: hours on 2 cores)
     python -m bench.throughput --quick     # bfloat16 and vidkv, a small workload (development)
     python -m bench.throughput --dtypes vidkv --rates 0.05,inf --requests 12
     python -m bench.throughput --dtypes vidkv,rvq8x256 --rates none --prefill-rounds 3
+    python -m bench.throughput --dtype float32 --dtypes vidkv --rates none   # float32 weights
 
 One server at a time (``python -m serving --kv-cache-dtype X --enforce-eager
 --no-enable-prefix-caching``, :func:`bench.server.measurement_server`), each with
@@ -24,16 +25,20 @@ arrivals; ``inf`` = all at once) the same requests run; meanwhile ``/metrics``
 is polled every 0.5 s. Per (dtype, rate): output tokens/s (all output tokens
 over the first send to the last token), peak and mean ``vllm:num_requests_running``,
 peak ``vllm:kv_cache_usage_perc``, preemptions, TTFT and TPOT (time per output
-token after the first) percentiles, and each as a ratio to bfloat16 at the same
-rate; per dtype: KV capacity in tokens (vLLM's, and ``/v1/kv_cache/stats``).
+token after the first) percentiles, and each as a ratio to the reference's at the
+same rate (``x_ref``); per dtype: KV capacity in tokens (vLLM's, and
+``/v1/kv_cache/stats``). The reference is the model's dtype: bfloat16, or ``auto``
+(a float32 cache) with ``--dtype float32``, which serves the model in float32 (vLLM's
+``--dtype``, every server), as CPUs without AVX-512 BF16 serve it fastest
+(:data:`bench.server.REFERENCE_KV_DTYPE`).
 
 Prefill floor. After the rates each server runs the same prompts once more,
 all at once, with one output token each (``prefill_only``): how long prefilling
 the workload takes on that server. No schedule can finish the full run (at
-rate ``inf``) sooner, so bfloat16's full-run time over a dtype's prefill time is
-the highest output tokens/s ratio that dtype could reach against bfloat16 even
-if its decode cost nothing (``output_ceiling_x_bf16``); bfloat16's own ceiling
-is what any format that prefills as fast as bfloat16 could reach. On a CPU,
+rate ``inf``) sooner, so the reference's full-run time over a dtype's prefill time is
+the highest output tokens/s ratio that dtype could reach against the reference even
+if its decode cost nothing (``output_ceiling_x_ref``); the reference's own ceiling
+is what any format that prefills as fast as the reference could reach. On a CPU,
 where prefill is compute-bound, this ceiling is what limits the output ratio.
 A shared machine's speed drifts by more than the differences between formats
 over the minutes between two servers, so ``--prefill-rounds N`` measures the
@@ -42,8 +47,8 @@ with every dtype's server started again and all of them up at once, each
 round measuring the dtypes one after another (each idle while another runs;
 the order rotated per round, so that none always follows the same one): a
 round's times are then seconds apart, not minutes. ``prefill_only.seconds``
-is the median of ``rounds`` and ``prefill_x_bf16`` the median of each round's
-ratio to bfloat16's in the same round. ``--rates none`` measures only the
+is the median of ``rounds`` and ``prefill_x_ref`` the median of each round's
+ratio to the reference's in the same round. ``--rates none`` measures only the
 prefill floor.
 JSON (with the command) to ``--json``, a plot to ``--png``.
 """
@@ -66,10 +71,9 @@ from typing import Any
 
 from bench import machine, portable
 from bench.plotting import pyplot, save
-from bench.server import (STATS_ROUTE, Server, ServerRefused, measurement_server, metric_value, metrics_text,
-                          percentiles)
+from bench.server import (REFERENCE_KV_DTYPE, STATS_ROUTE, Server, ServerRefused, measurement_server,
+                          metric_value, metrics_text, percentiles)
 
-REFERENCE = "bfloat16"
 DEFAULT_DTYPES = "bfloat16,fp8,vidkv,kivi2,quantile1"
 MIB = 2**20
 POLL_S = 0.5
@@ -82,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     quick = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
     p.add_argument("--quick", action="store_true", help=f"development run: {quick} (unless given)")
-    p.add_argument("--dtypes", default=DEFAULT_DTYPES, help="bfloat16 is always included")
+    p.add_argument("--dtypes", default=DEFAULT_DTYPES,
+                   help="the reference (bfloat16; auto with --dtype float32) is always included")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                   help="vLLM's --dtype, every server (default: the model's, bfloat16)")
     p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
     p.add_argument("--kv-cache-mib", type=float, default=96,
                    help="KV memory budget (MiB), every dtype (96: bfloat16 holds ~1.6 requests)")
@@ -261,28 +268,26 @@ RATIO_KEYS = ("output_tokens_per_s", "peak_running", "mean_running", "requests_p
 PCT_RATIO_KEYS = ("ttft_s", "tpot_s", "e2e_s")
 
 
-def add_ratios(rows: list[dict]) -> None:
-    """Each figure over bfloat16's at the same rate (same run), and each dtype's ceiling
-    on the output ratio (module doc: prefill floor)."""
-    ref = {str(p["rate"]): p for r in rows if r["dtype"] == REFERENCE and r["status"] == "ok"
-           for p in r["points"]}
-    ref_cap = next((r["capacity_tokens"] for r in rows if r["dtype"] == REFERENCE and r["status"] == "ok"),
-                   None)
+def add_ratios(rows: list[dict], reference: str) -> None:
+    """Each figure over the ``reference`` dtype's at the same rate (same run), and each
+    dtype's ceiling on the output ratio (module doc: prefill floor)."""
+    ref_row = next((r for r in rows if r["dtype"] == reference and r["status"] == "ok"), None)
+    ref = {str(p["rate"]): p for p in ref_row["points"]} if ref_row else {}
+    ref_cap = ref_row["capacity_tokens"] if ref_row else None
     ref_all_at_once = ref.get("inf", {}).get("seconds")
-    ref_rounds = next((r["prefill_only"].get("rounds") for r in rows
-                       if r["dtype"] == REFERENCE and r["status"] == "ok" and r.get("prefill_only")), None)
+    ref_rounds = (ref_row.get("prefill_only") or {}).get("rounds") if ref_row else None
     for r in rows:
         if r["status"] != "ok":
             continue
-        r["capacity_x_bf16"] = round(r["capacity_tokens"] / ref_cap, 4) if ref_cap else None
+        r["capacity_x_ref"] = round(r["capacity_tokens"] / ref_cap, 4) if ref_cap else None
         floor = r.get("prefill_only") or {}
         if floor.get("rounds") and ref_rounds:
             done = [s for s in floor["rounds"] if s]
             floor["seconds"] = round(statistics.median(done), 2) if done else None
             paired = [a / b for a, b in zip(floor["rounds"], ref_rounds) if a and b]
-            r["prefill_x_bf16"] = round(statistics.median(paired), 4) if paired else None
+            r["prefill_x_ref"] = round(statistics.median(paired), 4) if paired else None
         prefill_s = floor.get("seconds")
-        r["output_ceiling_x_bf16"] = (round(ref_all_at_once / prefill_s, 4)
+        r["output_ceiling_x_ref"] = (round(ref_all_at_once / prefill_s, 4)
                                       if prefill_s and ref_all_at_once else None)
         for p in r["points"]:
             b = ref.get(str(p["rate"]))
@@ -293,7 +298,7 @@ def add_ratios(rows: list[dict]) -> None:
                 if p.get(k) and b.get(k):
                     ratios[f"{k}_p50"] = round(p[k]["p50"] / b[k]["p50"], 4)
                     ratios[f"{k}_p90"] = round(p[k]["p90"] / b[k]["p90"], 4)
-            p["x_bf16"] = ratios
+            p["x_ref"] = ratios
 
 
 def codebook_config(model: str, dtype: str) -> dict[str, str] | None:
@@ -309,7 +314,7 @@ def codebook_config(model: str, dtype: str) -> dict[str, str] | None:
 def dtype_server(dtype: str, args) -> Server:
     return measurement_server(args.model, dtype, chunk=args.chunk, max_model_len=args.max_model_len,
                               max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB),
-                              additional_config=codebook_config(args.model, dtype))
+                              model_dtype=args.dtype, additional_config=codebook_config(args.model, dtype))
 
 
 def prefill_floor(server: Server, prompts: list[list[int]], seed: int) -> dict[str, Any]:
@@ -359,18 +364,18 @@ def measure_dtype(dtype: str, args, prompts, rates, log=print) -> dict[str, Any]
     return row
 
 
-def plot(rows: list[dict], path: str | Path, title: str) -> None:
+def plot(rows: list[dict], path: str | Path, title: str, reference: str) -> None:
     plt = pyplot()
 
     ok = [r for r in rows if r["status"] == "ok"]
     rates = [str(p["rate"]) for p in ok[0]["points"]] if ok else []
     panels = [("output_tokens_per_s", "output tokens/s", None), ("peak_running", "peak running requests", None),
               ("ttft_s", "TTFT p50 (s)", "p50"), ("tpot_s", "TPOT p50 (s)", "p50")]
-    others = [r["dtype"] for r in ok if r["dtype"] != REFERENCE]
-    color = {d: "black" if d == REFERENCE else f"C{others.index(d)}" for d in (r["dtype"] for r in ok)}
+    others = [r["dtype"] for r in ok if r["dtype"] != reference]
+    color = {d: "black" if d == reference else f"C{others.index(d)}" for d in (r["dtype"] for r in ok)}
     if not rates:  # --rates none: the prefill floor alone
         fig, ax = plt.subplots(1, 1, figsize=(7, 4.2))
-        prefill_panel(ax, ok, color)
+        prefill_panel(ax, ok, color, reference)
         fig.suptitle(title, fontsize=9)
         save(fig, path)
         return
@@ -382,23 +387,23 @@ def plot(rows: list[dict], path: str | Path, title: str) -> None:
             xs = [i + j * width for i in range(len(ys))]
             bars = ax.bar(xs, ys, width, label=r["dtype"], color=color[r["dtype"]])
             for b, p in zip(bars, r["points"]):
-                ratio = p.get("x_bf16", {}).get(f"{key}_p50" if sub else key)
-                if ratio is not None and r["dtype"] != REFERENCE:
+                ratio = p.get("x_ref", {}).get(f"{key}_p50" if sub else key)
+                if ratio is not None and r["dtype"] != reference:
                     ax.annotate(f"{ratio:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
                                 ha="center", va="bottom", fontsize=7)
         ax.set_xticks([i + width * (len(ok) - 1) / 2 for i in range(len(rates))],
                       [f"rate {x}/s" if x != "inf" else "all at once" for x in rates])
         ax.set_title(label, fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
-    prefill_panel(axes[4], ok, color)
+    prefill_panel(axes[4], ok, color, reference)
     axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     save(fig, path)
 
 
-def prefill_panel(ax, rows: list[dict], color: dict[str, str]) -> None:
+def prefill_panel(ax, rows: list[dict], color: dict[str, str], reference: str) -> None:
     """The prefill floor per dtype: a bar (the median with rounds), each round a dot,
-    annotated with the ratio to bfloat16 (paired by round) and the output ceiling."""
+    annotated with the ratio to the reference (paired by round) and the output ceiling."""
     floor = [r for r in rows if r.get("prefill_only")]
     bars = ax.bar(range(len(floor)), [r["prefill_only"]["seconds"] or 0 for r in floor],
                   color=[color[r["dtype"]] for r in floor])
@@ -406,18 +411,18 @@ def prefill_panel(ax, rows: list[dict], color: dict[str, str]) -> None:
         rounds = [s for s in r["prefill_only"].get("rounds") or [] if s]
         if len(rounds) > 1:
             ax.plot([i] * len(rounds), rounds, "o", color="grey", markersize=3)
-        notes = [f"{r['prefill_x_bf16']:.2f}x" if r.get("prefill_x_bf16") and r["dtype"] != REFERENCE
+        notes = [f"{r['prefill_x_ref']:.2f}x" if r.get("prefill_x_ref") and r["dtype"] != reference
                  else None,
-                 f"ceiling {r['output_ceiling_x_bf16']:.2f}x" if r.get("output_ceiling_x_bf16") else None]
+                 f"ceiling {r['output_ceiling_x_ref']:.2f}x" if r.get("output_ceiling_x_ref") else None]
         if any(notes):
             ax.annotate("\n".join(n for n in notes if n), (b.get_x() + b.get_width() / 2, b.get_height()),
                         ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(floor)), [r["dtype"] for r in floor], fontsize=7)
     rounds = max((len(r["prefill_only"].get("rounds") or []) for r in floor), default=0)
-    ceilings = any(r.get("output_ceiling_x_bf16") for r in floor)
+    ceilings = any(r.get("output_ceiling_x_ref") for r in floor)
     ax.set_title("prefill only, all at once (s)" + (f": median of {rounds} rounds (dots), x = paired ratio"
                                                     if rounds > 1 else "")
-                 + ("; ceiling = bf16 full run / this" if ceilings else ""), fontsize=9)
+                 + (f"; ceiling = {reference} full run / this" if ceilings else ""), fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
 
 
@@ -435,7 +440,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.model is None:
         from vllm_lowbit_kv.model import prepare_model
         args.model = str(prepare_model())
-    dtypes = list(dict.fromkeys([REFERENCE] + [d.strip() for d in args.dtypes.split(",") if d.strip()]))
+    reference = REFERENCE_KV_DTYPE[args.dtype]
+    dtypes = list(dict.fromkeys([reference] + [d.strip() for d in args.dtypes.split(",") if d.strip()]))
     lo, hi = (int(x) for x in args.prompt_tokens.split(","))
     rates = [] if args.rates == "none" else [float(x) for x in args.rates.split(",")]
     if args.prefill_rounds < 1:
@@ -447,13 +453,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     t0 = time.time()
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     probe = measurement_server(args.model, "<dtype>", chunk=args.chunk, max_model_len=args.max_model_len,
-                               max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB))
+                               max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_mib * MIB),
+                               model_dtype=args.dtype)
     rows: list[dict] = []
     result = dict(
         command=portable.command(["python", "-m", "bench.throughput", *argv], [args.model]),
         server_command="env -u VLLM_CPU_KVCACHE_SPACE "
         + portable.command(probe.command(), [args.model]),
-        model=portable.model_name(args.model), machine=machine.describe(),
+        model=portable.model_name(args.model), model_dtype=args.dtype or "the model's own",
+        reference=reference, machine=machine.describe(),
         kv_cache_bytes=int(args.kv_cache_mib * MIB), requests=args.requests,
         prompt_tokens=[lo, hi], prompt_tokens_total=sum(len(p) for p in prompts),
         output_tokens=args.output_tokens, rates=[r if not math.isinf(r) else "inf" for r in rates],
@@ -461,18 +469,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
         prefill_rounds=args.prefill_rounds,
         complete=False, elapsed_s=None, rows=rows,
     )
-    title = (f"{Path(args.model).name}: KV budget {args.kv_cache_mib:g} MiB, {args.requests} requests "
+    weights = f", {args.dtype} weights" if args.dtype else ""
+    title = (f"{Path(args.model).name}{weights}: KV budget {args.kv_cache_mib:g} MiB, {args.requests} requests "
              f"of {lo}-{hi} prompt + {args.output_tokens} output tokens")
 
     def write(complete: bool) -> None:  # after every dtype and round: a long run keeps what it measured
-        add_ratios(rows)
+        add_ratios(rows, reference)
         result.update(elapsed_s=round(time.time() - t0, 1), complete=complete)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(result, indent=1))
         if args.png:
             Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-            plot(rows, args.png, title)
+            plot(rows, args.png, title, reference)
 
     for d in dtypes:
         rows.append(measure_dtype(d, args, prompts, rates, log))
@@ -493,21 +502,23 @@ def format_table(result: dict) -> str:
             lines.append(f"{r['dtype']:10} refused: {r['reason']}")
             continue
         for p in r["points"]:
-            x = p.get("x_bf16", {})
+            x = p.get("x_ref", {})
             f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
             lines.append(
                 f"{r['dtype']:10} {str(p['rate']):>6} {r['capacity_tokens']:>9} "
-                f"{f(r.get('capacity_x_bf16'), '.2f'):>5} {f(p['output_tokens_per_s'], '.2f'):>7} "
+                f"{f(r.get('capacity_x_ref'), '.2f'):>5} {f(p['output_tokens_per_s'], '.2f'):>7} "
                 f"{f(x.get('output_tokens_per_s'), '.2f'):>5} {p['peak_running']:>8.0f} "
                 f"{f(x.get('peak_running'), '.2f'):>5} {f(p['ttft_s'] and p['ttft_s']['p50'], '.2f'):>8} "
                 f"{f(p['tpot_s'] and p['tpot_s']['p50'], '.3f'):>8} {len(p['errors']):>3}")
     for r in result["rows"]:
         if r.get("prefill_only"):
             rounds = r["prefill_only"].get("rounds") or []
-            each = f" (median of {rounds}, {r.get('prefill_x_bf16')}x bfloat16's)" if len(rounds) > 1 else ""
-            ceiling = r.get("output_ceiling_x_bf16")
+            each = (f" (median of {rounds}, {r.get('prefill_x_ref')}x {result['reference']}'s)"
+                    if len(rounds) > 1 else "")
+            ceiling = r.get("output_ceiling_x_ref")
             lines.append(f"{r['dtype']:10} prefill only {r['prefill_only']['seconds']} s{each}"
-                         + (f": output ceiling {ceiling}x bfloat16" if ceiling is not None else ""))
+                         + (f": output ceiling {ceiling}x {result['reference']}" if ceiling is not None
+                            else ""))
     return "\n".join(lines)
 
 

@@ -109,14 +109,14 @@ def test_float32_weights_reach_every_server_against_auto(monkeypatch):
     seen = []
 
     def server(model, dtype, **kw):
-        seen.append((dtype, kw["extra_args"]))
+        seen.append((dtype, kw["model_dtype"]))
         raise RuntimeError("stop")
 
     monkeypatch.setattr(sc, "measurement_server", server)
     with pytest.raises(RuntimeError):
         sc.main(["--dtype", "float32", "--model", "/m"])
-    assert seen == [("auto", ["--dtype", "float32"])]
+    assert seen == [("auto", "float32")]
     seen.clear()
     with pytest.raises(RuntimeError):
         sc.main(["--model", "/m"])
-    assert seen == [("bfloat16", [])]
+    assert seen == [("bfloat16", None)]

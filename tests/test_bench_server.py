@@ -163,9 +163,10 @@ def test_measurement_server_is_chunked_prefill_without_prefix_cache():
     assert args["--kv-cache-dtype"] == "kivi2" and args["--max-num-batched-tokens"] == "96"
     assert args["--max-model-len"] == "1024" and args["--host"] == "127.0.0.1"
     assert "--enforce-eager" in cmd and "--no-enable-prefix-caching" in cmd
-    assert "--additional-config" not in cmd
-    cmd2 = measurement_server("/m", "kivi2", chunk=96, max_model_len=1024,
+    assert "--additional-config" not in cmd and "--dtype" not in cmd  # the model's own
+    cmd2 = measurement_server("/m", "kivi2", chunk=96, max_model_len=1024, model_dtype="float32",
                               additional_config={"block_tokens": 32}).command()
+    assert cmd2[cmd2.index("--dtype") + 1] == "float32"
     assert json.loads(cmd2[cmd2.index("--additional-config") + 1]) == {"lowbit_kv": {"block_tokens": 32}}
     assert "--port" not in cmd2  # as a result records it
 

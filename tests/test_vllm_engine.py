@@ -184,17 +184,26 @@ def test_throughput_ratios_and_output_ceiling(tmp_path):
                  points=[point(0.05, 210.0, 6.5), point("inf", 120.0, 12.5)],
                  prefill_only=dict(seconds=100.0)),
             dict(dtype="quantile1", status="refused", reason="no")]
-    throughput.add_ratios(rows)
+    throughput.add_ratios(rows, "bfloat16")
     bf16, vidkv = rows[0], rows[1]
     # ceiling: bf16's all-at-once run over this dtype's prefill-only time
-    assert bf16["output_ceiling_x_bf16"] == 2.5 and vidkv["output_ceiling_x_bf16"] == 1.5
-    assert vidkv["capacity_x_bf16"] == 8.0
-    assert vidkv["points"][1]["x_bf16"]["output_tokens_per_s"] == 1.25
-    table = throughput.format_table(dict(rows=rows))
+    assert bf16["output_ceiling_x_ref"] == 2.5 and vidkv["output_ceiling_x_ref"] == 1.5
+    assert vidkv["capacity_x_ref"] == 8.0
+    assert vidkv["points"][1]["x_ref"]["output_tokens_per_s"] == 1.25
+    table = throughput.format_table(dict(rows=rows, reference="bfloat16"))
     assert "vidkv      prefill only 100.0 s: output ceiling 1.5x bfloat16" in table
     assert "quantile1  refused: no" in table
-    throughput.plot(rows, tmp_path / "t.png", "t")
+    throughput.plot(rows, tmp_path / "t.png", "t", "bfloat16")
     assert (tmp_path / "t.png").stat().st_size > 1000
+    # --dtype float32: the ratios are to auto's row (a float32 cache), whatever else ran
+    rows.insert(0, dict(dtype="auto", status="ok", capacity_tokens=500,
+                        points=[point(0.05, 100.0, 14.0), point("inf", 60.0, 25.0)],
+                        prefill_only=dict(seconds=30.0)))
+    throughput.add_ratios(rows, "auto")
+    assert vidkv["capacity_x_ref"] == 16.0 and bf16["capacity_x_ref"] == 2.0
+    assert vidkv["points"][1]["x_ref"]["output_tokens_per_s"] == 0.5
+    assert vidkv["output_ceiling_x_ref"] == 0.6
+    assert "output ceiling 0.6x auto" in throughput.format_table(dict(rows=rows, reference="auto"))
 
 
 def test_throughput_prefill_rounds_pair_each_round_with_bf16s(tmp_path):
@@ -207,16 +216,38 @@ def test_throughput_prefill_rounds_pair_each_round_with_bf16s(tmp_path):
                  prefill_only=dict(seconds=20.0, rounds=[20.0, 30.0, 10.0])),
             dict(dtype="vidkv", status="ok", capacity_tokens=8000, points=[],
                  prefill_only=dict(seconds=26.0, rounds=[26.0, None, 12.0]))]
-    throughput.add_ratios(rows)
+    throughput.add_ratios(rows, "bfloat16")
     bf16, vidkv = rows
     assert bf16["prefill_only"]["seconds"] == 20.0 and vidkv["prefill_only"]["seconds"] == 19.0
-    assert vidkv["prefill_x_bf16"] == 1.25  # median of 1.3 and 1.2, not 19 / 20
-    assert bf16["prefill_x_bf16"] == 1.0 and vidkv["output_ceiling_x_bf16"] is None
-    assert "median of [26.0, None, 12.0], 1.25x bfloat16's" in throughput.format_table(dict(rows=rows))
-    throughput.plot(rows, tmp_path / "t.png", "t")
+    assert vidkv["prefill_x_ref"] == 1.25  # median of 1.3 and 1.2, not 19 / 20
+    assert bf16["prefill_x_ref"] == 1.0 and vidkv["output_ceiling_x_ref"] is None
+    assert "median of [26.0, None, 12.0], 1.25x bfloat16's" in throughput.format_table(
+        dict(rows=rows, reference="bfloat16"))
+    throughput.plot(rows, tmp_path / "t.png", "t", "bfloat16")
     assert (tmp_path / "t.png").stat().st_size > 1000
     with pytest.raises(SystemExit):
         throughput.main(["--prefill-rounds", "0", "--model", str(tmp_path)])
+
+
+def test_throughput_float32_weights_measure_auto_first(monkeypatch, tmp_path):
+    """--dtype float32: every server gets vLLM's --dtype, and the reference, measured first,
+    is auto (a float32 cache), recorded in the JSON."""
+    from bench import throughput
+
+    seen = []
+
+    def measure(dtype, args, prompts, rates, log):
+        seen.append((dtype, throughput.dtype_server(dtype, args).command()))
+        return dict(dtype=dtype, status="refused", reason="not measured here")
+
+    monkeypatch.setattr(throughput, "make_workload", lambda *a: [[1] * 8])
+    monkeypatch.setattr(throughput, "measure_dtype", measure)
+    out = tmp_path / "t.json"
+    result = throughput.main(["--dtype", "float32", "--dtypes", "vidkv", "--model", str(tmp_path),
+                              "--json", str(out), "--png", ""])
+    assert [d for d, _ in seen] == ["auto", "vidkv"] and result["reference"] == "auto"
+    assert all(cmd[cmd.index("--dtype") + 1] == "float32" for _, cmd in seen)
+    assert json.loads(out.read_text())["model_dtype"] == "float32"
 
 
 @pytest.mark.slow
