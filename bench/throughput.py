@@ -470,8 +470,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         complete=False, elapsed_s=None, rows=rows,
     )
     weights = f", {args.dtype} weights" if args.dtype else ""
-    title = (f"{Path(args.model).name}{weights}: KV budget {args.kv_cache_mib:g} MiB, {args.requests} requests "
-             f"of {lo}-{hi} prompt + {args.output_tokens} output tokens")
+    title = (f"{Path(args.model).name}{weights}: KV budget {args.kv_cache_mib:g} MiB,\n"  # fits one panel
+             f"{args.requests} requests of {lo}-{hi} prompt + {args.output_tokens} output tokens")
 
     def write(complete: bool) -> None:  # after every dtype and round: a long run keeps what it measured
         add_ratios(rows, reference)
