@@ -160,7 +160,9 @@ def plot(result: dict, path: Path) -> None:
                 f"x{result['ratio_to_reference'][d]:.2f}", ha="center", va="bottom")
     ax.set_xticks(range(len(dtypes)), dtypes)
     ax.set_ylabel("decode tokens/s (whole batch decoding)")
-    ax.set_title(f"vLLM CPU server, batch {result['batch']}, {result['prompt_tokens']}-token "
+    weights = result.get("model_dtype", "the model's own")
+    weights = f", {weights} weights" if weights != "the model's own" else ""
+    ax.set_title(f"vLLM CPU server{weights}, batch {result['batch']}, {result['prompt_tokens']}-token "
                  f"prompts, {result['output_tokens']} output tokens\n{result['machine']['cpu']}, "
                  f"{result['machine']['cores']} cores (dots: rounds)", fontsize=8)
     save(fig, path)

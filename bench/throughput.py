@@ -6,6 +6,8 @@
     python -m bench.throughput --dtypes vidkv,rvq8x256 --rates none --prefill-rounds 3
     python -m bench.throughput --dtype float32 --dtypes vidkv --rates none   # float32 weights
 
+The reference (bfloat16; ``auto`` with ``--dtype float32``) is always measured, first.
+
 One server at a time (``python -m serving --kv-cache-dtype X --enforce-eager
 --no-enable-prefix-caching``, :func:`bench.server.measurement_server`), each with
 the same KV memory budget, ``--kv-cache-memory-bytes`` (the field
@@ -50,7 +52,9 @@ round's times are then seconds apart, not minutes. ``prefill_only.seconds``
 is the median of ``rounds`` and ``prefill_x_ref`` the median of each round's
 ratio to the reference's in the same round. ``--rates none`` measures only the
 prefill floor.
-JSON (with the command) to ``--json``, a plot to ``--png``.
+JSON (with the command) to ``--json``, a plot to ``--png``. Results written before
+``--dtype`` existed name the ratio fields ``x_bf16``, ``capacity_x_bf16``,
+``prefill_x_bf16`` and ``output_ceiling_x_bf16``.
 """
 
 from __future__ import annotations
@@ -74,10 +78,10 @@ from bench.plotting import pyplot, save
 from bench.server import (REFERENCE_KV_DTYPE, STATS_ROUTE, Server, ServerRefused, measurement_server,
                           metric_value, metrics_text, percentiles)
 
-DEFAULT_DTYPES = "bfloat16,fp8,vidkv,kivi2,quantile1"
+DEFAULT_DTYPES = "fp8,vidkv,kivi2,quantile1"  # after the reference
 MIB = 2**20
 POLL_S = 0.5
-QUICK = dict(dtypes="bfloat16,vidkv", requests=6, prompt_tokens="1024,1536", output_tokens=64,
+QUICK = dict(dtypes="vidkv", requests=6, prompt_tokens="1024,1536", output_tokens=64,
              rates="inf", kv_cache_mib=48, max_model_len=2048)
 
 
@@ -288,7 +292,7 @@ def add_ratios(rows: list[dict], reference: str) -> None:
             r["prefill_x_ref"] = round(statistics.median(paired), 4) if paired else None
         prefill_s = floor.get("seconds")
         r["output_ceiling_x_ref"] = (round(ref_all_at_once / prefill_s, 4)
-                                      if prefill_s and ref_all_at_once else None)
+                                     if prefill_s and ref_all_at_once else None)
         for p in r["points"]:
             b = ref.get(str(p["rate"]))
             if b is None:
