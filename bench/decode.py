@@ -160,8 +160,8 @@ def plot(result: dict, path: Path) -> None:
                 f"x{result['ratio_to_reference'][d]:.2f}", ha="center", va="bottom")
     ax.set_xticks(range(len(dtypes)), dtypes)
     ax.set_ylabel("decode tokens/s (whole batch decoding)")
-    weights = result.get("model_dtype", "the model's own")
-    weights = f", {weights} weights" if weights != "the model's own" else ""
+    dtype = result.get("model_dtype", "the model's own")  # older results lack it
+    weights = "" if dtype == "the model's own" else f", {dtype} weights"
     ax.set_title(f"vLLM CPU server{weights}, batch {result['batch']}, {result['prompt_tokens']}-token "
                  f"prompts, {result['output_tokens']} output tokens\n{result['machine']['cpu']}, "
                  f"{result['machine']['cores']} cores (dots: rounds)", fontsize=8)
