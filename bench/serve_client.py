@@ -10,7 +10,8 @@ through :func:`bench.server.measurement_server`: ``--enforce-eager``, prefix cac
 off, ``--max-num-seqs`` = ``--prompts``), then ``vllm bench serve --dataset-name random``
 (this package's ``vllm`` console script, vLLM's own client) with a fixed seed, so
 every server gets the same prompts, all sent at once. Per dtype: vLLM's result
-(output tokens/s, TTFT, TPOT, duration) and each as a ratio to the reference's
+(output tokens/s; TTFT, TPOT and inter-token latency, ITL: means or medians and 99th
+percentiles; duration) and each as a ratio to the reference's
 (``x_ref``: bfloat16, or ``auto`` with ``--dtype float32``, below), and the
 tokens its KV cache holds in ``--kv-space-gib`` (``kv_capacity_tokens``, vLLM's figure):
 prompts that do not fit at once wait for a running one to finish, so with long prompts
@@ -64,9 +65,13 @@ from bench import RESULTS, machine, portable
 from bench.plotting import pyplot, save
 from bench.server import REFERENCE_KV_DTYPE, measurement_server
 
-#: vLLM's result fields kept per dtype, and whether higher is better
+#: vLLM's result fields kept per dtype, and whether higher is better: throughput, the
+#: latencies' means and medians, and their 99th percentiles (vLLM's default
+#: ``--metric-percentiles``), where a step that stalls every request at once (a group of
+#: every sequence encoded on the same step) shows as inter-token latency (ITL)
 METRICS = {"output_throughput": True, "mean_ttft_ms": False, "median_ttft_ms": False,
-           "mean_tpot_ms": False, "median_tpot_ms": False, "duration": False}
+           "p99_ttft_ms": False, "mean_tpot_ms": False, "median_tpot_ms": False,
+           "p99_tpot_ms": False, "median_itl_ms": False, "p99_itl_ms": False, "duration": False}
 
 
 def client_command(port: int, model: str, served_name: str, args, result_dir: str) -> list[str]:
@@ -175,7 +180,7 @@ def label(row: dict, rows: list[dict]) -> str:
 def plot(summary: list[dict], path: Path, title: str) -> None:
     """Per dtype the median ratio to the reference's, the bar's whisker spanning the rounds."""
     plt = pyplot()
-    shown = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
+    shown = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "p99_itl_ms")
     fig, axes = plt.subplots(1, len(shown), figsize=(4 * len(shown), 3.4))
     for ax, m in zip(axes, shown):
         mid = [s["x_ref_median"][m] for s in summary]
@@ -258,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"round {r['round']}, {label(r, rows):>22}: output tok/s "
               f"x{r['x_ref']['output_throughput']:.2f}, median TTFT "
               f"x{r['x_ref']['median_ttft_ms']:.2f}, median TPOT x{r['x_ref']['median_tpot_ms']:.2f}"
+              f", p99 ITL x{r['x_ref']['p99_itl_ms']:.2f}"
               + "".join(f", {m} x{r[k][m]:.2f} of {k[2:]}'s" for k in r if k.startswith("x_")
                         and k != "x_ref" for m in ("output_throughput", "median_tpot_ms")))
     for s in summary:
