@@ -20,6 +20,13 @@ machine's load hits both; the ratio is that of the medians. The JSON records
 the command, the machine, its load average, and every round; a PNG plots them.
 Results: ``bench/results/decode_cpu.{json,png}``.
 
+``--ceiling-prompt-tokens N`` also measures, each round after the others, the reference
+with N-token prompts (same batch and output tokens): a step that attends to almost no
+context, so its decode rate is the model's work alone. Its median over the reference's
+at ``--prompt-tokens`` (``ceiling.x_ref``) is about the most any KV format can gain at
+this batch and model, attention at no cost (the model's other work is the same for
+every format).
+
 ``--dtype float32`` serves the model in float32 (vLLM's ``--dtype``, every server), as
 CPUs without AVX-512 BF16 serve it fastest (torch has no fast bf16 matrix multiply
 there); the reference is then ``auto``, a float32 cache (the plugin refuses a float32
@@ -110,30 +117,51 @@ def one_round(server: Server, batch_prompts: list[list[int]], output_tokens: int
                 first_token_s=start - t0)
 
 
+def summarize(rounds: list[dict], dtypes: list[str]) -> dict:
+    """Per dtype the median decode rate over its rounds (the ceiling rows apart), the ratios
+    to the first dtype's, and the ceiling's median and ratio where it was measured."""
+    def median(d: str, ceiling: bool = False) -> float:
+        return statistics.median(x["decode_tokens_per_s"] for x in rounds
+                                 if x["kv_cache_dtype"] == d and x.get("ceiling", False) == ceiling)
+    med = {d: median(d) for d in dtypes}
+    out = dict(median_decode_tokens_per_s=med,
+               ratio_to_reference={d: med[d] / med[dtypes[0]] for d in dtypes})
+    short = [x for x in rounds if x.get("ceiling")]
+    if short:
+        top = median(dtypes[0], ceiling=True)
+        out["ceiling"] = dict(prompt_tokens=short[0]["prompt_tokens"],
+                              median_decode_tokens_per_s=top, x_ref=top / med[dtypes[0]])
+    return out
+
+
 def measure(args) -> dict:
     model_dir = args.model
     geo = model_geometry(model_dir)
     batch_prompts = prompts(model_dir, args.batch, args.prompt_tokens)
     max_len = args.prompt_tokens + args.output_tokens + 16
+    # (dtype, prompts, ceiling): the dtypes at --prompt-tokens, then the reference's ceiling
+    runs = [(d, batch_prompts, False) for d in args.dtypes]
+    if args.ceiling_prompt_tokens:
+        runs.append((args.dtypes[0], [p[:args.ceiling_prompt_tokens] for p in batch_prompts], True))
     rounds = []
     for r in range(args.rounds):
-        for dtype in args.dtypes:
-            log = args.log_dir / f"decode_{dtype}_{r}.log" if args.log_dir else None
+        for dtype, these, ceiling in runs:
+            name = f"{dtype}_ceiling" if ceiling else dtype
+            log = args.log_dir / f"decode_{name}_{r}.log" if args.log_dir else None
             server = measurement_server(model_dir, dtype, chunk=args.chunk, max_model_len=max_len,
                                         kv_space_gib=args.kv_space_gib, max_num_seqs=args.batch,
                                         model_dtype=args.dtype, log=log)
             with server:
                 load = os.getloadavg()[0]
-                res = one_round(server, batch_prompts, args.output_tokens)
-            res.update(kv_cache_dtype=dtype, round=r, load_avg_1min=load,
-                       startup_s=server.startup_s)
+                res = one_round(server, these, args.output_tokens)
+            res.update(kv_cache_dtype=dtype, prompt_tokens=len(these[0]), round=r,
+                       load_avg_1min=load, startup_s=server.startup_s)
+            if ceiling:
+                res["ceiling"] = True
             rounds.append(res)
-            print(f"round {r} {dtype:10s}: {res['decode_tokens_per_s']:7.1f} tokens/s decode "
+            print(f"round {r} {name:14s}: {res['decode_tokens_per_s']:7.1f} tokens/s decode "
                   f"({res['window_tokens']} tokens in {res['window_s']:.1f} s, load {load:.1f})",
                   flush=True)
-    median = {d: statistics.median(x["decode_tokens_per_s"] for x in rounds
-                                   if x["kv_cache_dtype"] == d) for d in args.dtypes}
-    ref = args.dtypes[0]
     return dict(
         command=portable.command([sys.executable, "-m", "bench.decode", *sys.argv[1:]], [model_dir]),
         machine=machine.describe(),
@@ -142,9 +170,7 @@ def measure(args) -> dict:
         prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens, chunk=args.chunk, kv_space_gib=args.kv_space_gib,
         attention_impl=os.environ.get("LOWBIT_KV_ATTENTION_IMPL", "auto"),
-        rounds=rounds, median_decode_tokens_per_s=median,
-        ratio_to_reference={d: median[d] / median[ref] for d in args.dtypes},
-        reference=ref)
+        rounds=rounds, **summarize(rounds, args.dtypes), reference=args.dtypes[0])
 
 
 def plot(result: dict, path: Path) -> None:
@@ -153,11 +179,18 @@ def plot(result: dict, path: Path) -> None:
     dtypes = list(result["median_decode_tokens_per_s"])
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, d in enumerate(dtypes):
-        vals = [x["decode_tokens_per_s"] for x in result["rounds"] if x["kv_cache_dtype"] == d]
+        vals = [x["decode_tokens_per_s"] for x in result["rounds"]
+                if x["kv_cache_dtype"] == d and not x.get("ceiling")]
         ax.bar(i, result["median_decode_tokens_per_s"][d], color=f"C{i}", alpha=0.6)
         ax.plot([i] * len(vals), vals, "ko", ms=4)
         ax.text(i, result["median_decode_tokens_per_s"][d],
                 f"x{result['ratio_to_reference'][d]:.2f}", ha="center", va="bottom")
+    if "ceiling" in result:  # the reference at short prompts: attention at about no cost
+        c = result["ceiling"]
+        ax.axhline(c["median_decode_tokens_per_s"], color="gray", ls="--", lw=0.8,
+                   label=f"{dtypes[0]} at {c['prompt_tokens']}-token prompts "
+                         f"(x{c['x_ref']:.2f}: attention at about no cost)")
+        ax.legend(fontsize=7, loc="lower right")
     ax.set_xticks(range(len(dtypes)), dtypes)
     ax.set_ylabel("decode tokens/s (whole batch decoding)")
     dtype = result.get("model_dtype", "the model's own")  # older results lack it
@@ -184,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=2048, help="--max-num-batched-tokens")
     p.add_argument("--kv-space-gib", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--ceiling-prompt-tokens", type=int, default=0,
+                   help="also measure the reference with prompts this short each round (0: off)")
     p.add_argument("--log-dir", type=Path, default=None, help="keep the server logs here")
     p.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.json")
     args = p.parse_args(argv)
@@ -192,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--kv-cache-dtype: with --dtype float32 the reference (the first) must be auto "
                 f"(a float32 cache; a float32 model over a 16-bit cache is refused), not "
                 f"{args.dtypes[0]!r}")
+    if not 0 <= args.ceiling_prompt_tokens < args.prompt_tokens:
+        p.error(f"--ceiling-prompt-tokens: from 0 (off) to below --prompt-tokens "
+                f"({args.prompt_tokens}), not {args.ceiling_prompt_tokens}")
     args.model = args.model or str(prepare_model(progress=False))
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -200,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.out.with_suffix(".png"))
     print(json.dumps(dict(median=result["median_decode_tokens_per_s"],
-                          ratio=result["ratio_to_reference"]), indent=1))
+                          ratio=result["ratio_to_reference"], ceiling=result.get("ceiling")),
+                     indent=1))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
