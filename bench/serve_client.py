@@ -67,8 +67,8 @@ from bench.server import REFERENCE_KV_DTYPE, measurement_server
 
 #: vLLM's result fields kept per dtype, and whether higher is better: throughput, the
 #: latencies' means and medians, and their 99th percentiles (vLLM's default
-#: ``--metric-percentiles``), where a step that stalls every request at once (a group of
-#: every sequence encoded on the same step) shows as inter-token latency (ITL)
+#: ``--metric-percentiles``): a step that stalls the decoding requests (another prompt's
+#: prefill chunk, many groups encoded at once) shows in the inter-token latency's (ITL)
 METRICS = {"output_throughput": True, "mean_ttft_ms": False, "median_ttft_ms": False,
            "p99_ttft_ms": False, "mean_tpot_ms": False, "median_tpot_ms": False,
            "p99_tpot_ms": False, "median_itl_ms": False, "p99_itl_ms": False, "duration": False}
