@@ -68,7 +68,7 @@ from bench.server import REFERENCE_KV_DTYPE, measurement_server
 #: vLLM's result fields kept per dtype, and whether higher is better: throughput, the
 #: latencies' means and medians, and their 99th percentiles (vLLM's default
 #: ``--metric-percentiles``): a step that stalls the decoding requests (another prompt's
-#: prefill chunk, many groups encoded at once) shows in the inter-token latency's (ITL)
+#: prefill chunk, many groups encoded at once) shows in p99 inter-token latency (ITL)
 METRICS = {"output_throughput": True, "mean_ttft_ms": False, "median_ttft_ms": False,
            "p99_ttft_ms": False, "mean_tpot_ms": False, "median_tpot_ms": False,
            "p99_tpot_ms": False, "median_itl_ms": False, "p99_itl_ms": False, "duration": False}
