@@ -22,8 +22,9 @@ multiple of 16; any number of query heads per KV head. That covers ``vidkv``,
 derived from the :class:`~vllm_lowbit_kv.ops.page_format.PageFormat`
 (:class:`Descriptors`). The ISA is the build machine's (``-march=native``, one build
 folder per CPU): key columns of low-bit codes are read through lookup tables (T-MAC
-style; AVX-512: per nibble of 1-/2-bit codes, AVX2: per pair of 1-bit codes), ternary and
-KIVI value codes decoded in registers; with AVX-512 VBMI byte-aligned key code rows are
+style; AVX-512: per nibble of 1-/2-bit codes, AVX2: per pair of 1-bit codes;
+``csrc/cpu/code_columns.h``), ternary and KIVI value codes decoded in registers
+(``csrc/cpu/value_sums.h``); with AVX-512 VBMI byte-aligned key code rows are
 transposed by byte permutes, and with VNNI too consecutive value rows of trits or of 2- and
 4-bit codes (head_dim 64 or 128) are summed two at a time as 16-bit integer products: the
 probabilities in 32767 steps of their group's largest, so the output is within
@@ -85,7 +86,7 @@ SOURCES = (SOURCE, DENSE_SOURCE, ENCODE_SOURCE, EXACT_DECODE_SOURCE, STAGING_SOU
            MERGE_SOURCE)
 #: what the sources include (part of the build folder's hash, as the sources are)
 HEADERS = tuple(SOURCE.with_name(h) for h in ("vectors.h", "micro_gemm.h", "amx.h", "descriptors.h",
-                                              "dtypes.h"))
+                                              "dtypes.h", "code_columns.h", "value_sums.h"))
 #: target ISA: the build machine's own unless LOWBIT_KV_CPU_MARCH names another (the
 #: tests build AVX2-only and AVX-512-without-VBMI variants this way to run the other paths)
 MARCH = os.environ.get("LOWBIT_KV_CPU_MARCH", "native")
